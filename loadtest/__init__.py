@@ -1,0 +1,1 @@
+"""Traces, generators, live and offline replay, benchmarks and reports."""

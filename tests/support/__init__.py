@@ -1,0 +1,1 @@
+"""Test support: real services (Redis, simulated engines, routers) started on free ports."""
