@@ -43,3 +43,13 @@ def test_resume_equals_full():
     full = block_hashes(toks, 16, seed)
     rest = block_hashes(toks, 16, seed, start_block=3, parent=full[2])
     assert full[:3] + rest == full
+
+
+def test_bytetok_roundtrip_and_chat_prefix():
+    from router.core import bytetok
+
+    assert bytetok.decode(bytetok.encode("héllo")) == "héllo"
+    a = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
+    b = a + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "u2"}]
+    ra = bytetok.render_chat(a, add_generation_prompt=False)
+    assert bytetok.render_chat(b).startswith(ra)
