@@ -87,3 +87,5 @@ def register_all(reg: Registry) -> None:
     reg.register("random", RandomPolicy)
     reg.register("least_loaded", LeastLoaded)
     reg.register("power_of_two", PowerOfTwo)
+    reg.register("session", __import__("router.core.session", fromlist=["x"]).SessionAffinity)
+    reg.register("cache_aware", __import__("router.core.cache_aware", fromlist=["x"]).CacheAware)
