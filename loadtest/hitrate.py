@@ -110,8 +110,9 @@ class LRUBlocks:
             m += 1
         if self.capacity == 0:
             return m
-        # Insert/touch deepest first so the shared head ends up most recently used.
-        for k in reversed(keys[-self.capacity:] if len(keys) > self.capacity else keys):
+        # Insert/touch deepest first so the shared head ends up most recently used; a
+        # prompt longer than the whole cache keeps its head (a tail alone never hits).
+        for k in reversed(keys[: self.capacity]):
             if k in d:
                 d.move_to_end(k)
             else:

@@ -100,7 +100,8 @@ class PromptBuilder:
             out.extend(self.block_token_ids(hid, pos)[:n])
         extra = req.input_length - len(out)
         if extra > 0:
-            out.extend(self.vocab_lo + ord(c) for c in self._filler(req, extra))
+            span = self.vocab_hi - self.vocab_lo
+            out.extend(self.vocab_lo + ord(c) % span for c in self._filler(req, extra))
         return out
 
     def _filler(self, req: TraceRequest, n: int) -> str:
