@@ -37,3 +37,94 @@ def load_imbalance(per_replica: Mapping[str, int], replicas: Sequence[str] | Non
     counts = [per_replica.get(r, 0) for r in ids]
     mean = sum(counts) / len(counts)
     return max(counts) / mean if mean else 0.0
+
+
+# -- engine /metrics (Prometheus text) ------------------------------------------------------
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name → value summed over its label sets (comments and bad lines skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace]
+            rest = line[line.rfind("}") + 1:].split()
+        else:
+            parts = line.split()
+            name, rest = (parts[0], parts[1:]) if parts else ("", [])
+        if not name or not rest:
+            continue
+        try:
+            val = float(rest[0])
+        except ValueError:
+            continue
+        if math.isnan(val):
+            continue
+        out[name] = out.get(name, 0.0) + val
+    return out
+
+
+def _counter(m: Mapping[str, float], name: str) -> float | None:
+    for key in (name + "_total", name):
+        if key in m:
+            return m[key]
+    return None
+
+
+def engine_hit_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
+    """Prefix-cache queries and hits (tokens) between two scrapes of one vLLM-style engine,
+    or None when the engine exposes no such counters."""
+    qb, qa = _counter(before, "vllm:prefix_cache_queries"), _counter(after, "vllm:prefix_cache_queries")
+    hb, ha = _counter(before, "vllm:prefix_cache_hits"), _counter(after, "vllm:prefix_cache_hits")
+    if qa is None or ha is None:
+        return None
+    return {"queries": qa - (qb or 0.0), "hits": ha - (hb or 0.0)}
+
+
+# -- replay records -------------------------------------------------------------------------
+
+def summarize_records(records: Sequence[Mapping[str, object]], wall_s: float) -> dict[str, object]:
+    """The summary of a replay from its per-request records (the dicts written as JSONL):
+    hit rate from usage (token-weighted), TTFT/ITL/E2E percentiles, throughput, requests
+    and tokens per replica, errors by status."""
+    ok = [r for r in records if r.get("status") == 200 and not r.get("error")]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r not in ok:
+            key = str(r.get("status") or r.get("error") or "error")
+            errors[key] = errors.get(key, 0) + 1
+    prompt = sum(int(r.get("prompt_tokens") or 0) for r in ok)
+    cached = sum(int(r.get("cached_tokens") or 0) for r in ok)
+    out_tok = sum(int(r.get("completion_tokens") or 0) for r in ok)
+    ttft = [float(r["ttft_s"]) for r in ok if r.get("ttft_s") is not None]  # type: ignore[arg-type]
+    itl = [float(r["itl_mean_s"]) for r in ok if r.get("itl_mean_s") is not None]  # type: ignore[arg-type]
+    e2e = [float(r["e2e_s"]) for r in ok if r.get("e2e_s") is not None]  # type: ignore[arg-type]
+    per: dict[str, dict[str, int]] = {}
+    for r in ok:
+        rep = str(r.get("replica") or "?")
+        d = per.setdefault(rep, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        d["requests"] += 1
+        d["prompt_tokens"] += int(r.get("prompt_tokens") or 0)  # type: ignore[call-overload]
+        d["cached_tokens"] += int(r.get("cached_tokens") or 0)  # type: ignore[call-overload]
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": errors,
+        "duration_s": wall_s,
+        "throughput_rps": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "output_tokens_per_s": out_tok / wall_s if wall_s > 0 else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "per_replica": dict(sorted(per.items())),
+        "load_imbalance": load_imbalance({k: v["requests"] for k, v in per.items()}),
+    }
