@@ -119,13 +119,13 @@ def validate(inp: PlanInput) -> None:
         raise PlannerError("prompt_tokens and spec_tokens must be >= 0")
     if not 0 <= inp.spec_acceptance <= 1:
         raise PlannerError("spec_acceptance must be in [0, 1]")
-    if inp.num_gpus % inp.tensor_parallel:
-        raise PlannerError(f"num_gpus ({inp.num_gpus}) must be a multiple of tensor_parallel ({inp.tensor_parallel})")
     if inp.model.num_attention_heads % inp.tensor_parallel:
         raise PlannerError(
             f"tensor_parallel ({inp.tensor_parallel}) must divide the model's "
             f"{inp.model.num_attention_heads} attention heads"
         )
+    if inp.num_gpus % inp.tensor_parallel:
+        raise PlannerError(f"num_gpus ({inp.num_gpus}) must be a multiple of tensor_parallel ({inp.tensor_parallel})")
 
 
 class Roofline:
