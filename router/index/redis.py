@@ -1,0 +1,409 @@
+"""The shared prefix index in Redis: one round trip per lookup, batched writes, bounded memory.
+
+Every router process (and the KV-events consumer) pointed at the same Redis and namespace
+shares placements. Works with ``redis://`` and ``rediss://`` URLs (user/password in the
+URL) through redis-py asyncio.
+
+Key schema (``ns`` = ``index.namespace``; ``{model}`` is a Redis Cluster hash tag, so all
+keys of one model live in one slot and one Lua script can reach them all)::
+
+    <ns>:models                   set   model names with entries (for remove/clear)
+    <ns>:{<model>}:meta           hash  per replica R: g:R generation, n:R blocks in it,
+                                        w:R generations kept, b:R bucket count, c:R sweep cursor
+    <ns>:{<model>}:<R>:<bucket>   hash  8-byte block hash (little-endian) -> generation
+
+Bucketing: a block lives in bucket ``(low 24 bits of its hash) mod b:R``, with
+``b:R = ceil(capacity / 64)`` fixed at the replica's first record, so buckets hold ~64
+entries and Redis stores them as compact listpacks: ~17–25 bytes per (block, replica)
+entry, measured by ``tests/contract/test_index_contract.py::test_redis_memory_per_entry``
+(bound asserted: ≤ 40 B; 64 replicas × 100,000 blocks ≈ 1.1–1.6 GB → 0.16 GB).
+
+Capacity and LRU without a sorted set (generations): a replica's capacity ``C`` is split
+into ``w = min(8, C)`` generations of ``S = C // w`` blocks. Recording a block not in the
+current generation writes it with the current generation number (a refresh moves it
+forward); after ``S`` such writes the generation advances. Only blocks of the last ``w``
+generations match, so a replica holds at most ``C`` live blocks and the least recently
+recorded generation drops first (LRU at 1/8-capacity granularity). A chain is written
+tail-first, so heads are never older than tails and present blocks stay prefix-closed.
+Stale entries are deleted by a sweep that visits ``nb × new / S`` buckets per record (a
+full pass per generation), so memory stays ≤ (w+1)/w × C entries. ``clear(R)`` is O(1):
+it advances ``g:R`` by ``w`` (everything stale at once; the sweep deletes it later).
+
+TTL backstop: every key touched by a record gets ``PEXPIRE ttl``; an idle model's keys vanish.
+
+Lookup: one ``EVALSHA`` whose only argument is the packed hashes (8 bytes each); the
+script reads the meta hash, and per replica checks the first block, the last, then binary
+searches the chain (≤ 2 + log2 n ``HGET``s per replica), building key names inside the
+script (declared key: the meta hash; all others share its hash tag). The binary search
+relies on present blocks being prefix-closed, which records and engine evictions (tails
+first) keep; a block removed from the middle of a held chain may go unnoticed.
+
+Failures: a short socket timeout and a circuit breaker. When Redis is unreachable,
+``lookup`` returns ``{}`` at once for ``retry_s`` seconds, writes are dropped (counted), one
+log line is written, and the index resumes by itself when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from array import array
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from router.index.base import IndexEvents
+
+log = logging.getLogger("kvrouter.index.redis")
+
+GENERATIONS = 8
+BUCKET_TARGET = 64
+
+LOOKUP_LUA = """
+local meta = redis.call('HGETALL', KEYS[1])
+local hs = ARGV[1]
+local prefix = ARGV[2]
+local n = #hs / 8
+if n == 0 then return {} end
+local g, nb, w = {}, {}, {}
+for i = 1, #meta, 2 do
+  local f = meta[i]
+  local k = string.sub(f, 1, 2)
+  if k == 'g:' then g[string.sub(f, 3)] = tonumber(meta[i + 1])
+  elseif k == 'b:' then nb[string.sub(f, 3)] = tonumber(meta[i + 1])
+  elseif k == 'w:' then w[string.sub(f, 3)] = tonumber(meta[i + 1]) end
+end
+local blocks = {}
+local function blk(i)
+  local h = blocks[i]
+  if not h then
+    h = string.sub(hs, i * 8 - 7, i * 8)
+    blocks[i] = h
+  end
+  return h
+end
+local out = {}
+for rep, gen in pairs(g) do
+  local buckets, keep = nb[rep], w[rep]
+  if buckets and keep then
+    local kp = prefix .. rep .. ':'
+    local floor = gen - keep
+    local function has(i)
+      local h = blk(i)
+      local b1, b2, b3 = string.byte(h, 1, 3)
+      local v = redis.call('HGET', kp .. ((b1 + b2 * 256 + b3 * 65536) % buckets), h)
+      return v and tonumber(v) > floor
+    end
+    local found = 0
+    if has(1) then
+      if n == 1 or has(n) then
+        found = n
+      else
+        local lo, hi = 1, n - 1
+        while lo < hi do
+          local mid = math.floor((lo + hi + 1) / 2)
+          if has(mid) then lo = mid else hi = mid - 1 end
+        end
+        found = lo
+      end
+    end
+    if found > 0 then
+      out[#out + 1] = rep
+      out[#out + 1] = found
+    end
+  end
+end
+return out
+"""
+
+RECORD_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local hs = ARGV[2]
+local kp = ARGV[3] .. rep .. ':'
+local cap = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[5])
+local maxgen = tonumber(ARGV[6])
+local target = tonumber(ARGV[7])
+local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep)
+local g = tonumber(st[1]) or 0
+local cnt = tonumber(st[2]) or 0
+local nb = tonumber(st[3]) or math.max(1, math.ceil(cap / target))
+local cur = tonumber(st[4]) or 0
+local w = math.max(1, math.min(maxgen, cap))
+local S = math.max(1, math.floor(cap / w))
+local n = #hs / 8
+local touched = {}
+local new = 0
+for i = n, 1, -1 do
+  local h = string.sub(hs, i * 8 - 7, i * 8)
+  local b1, b2, b3 = string.byte(h, 1, 3)
+  local key = kp .. ((b1 + b2 * 256 + b3 * 65536) % nb)
+  local v = redis.call('HGET', key, h)
+  if (not v) or tonumber(v) ~= g then
+    if cnt >= S then
+      g = g + 1
+      cnt = 0
+    end
+    redis.call('HSET', key, h, g)
+    cnt = cnt + 1
+    new = new + 1
+  end
+  touched[key] = true
+end
+for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
+local floor = g - w
+local sweep = math.min(nb, math.ceil(new * nb / S))
+for s = 1, sweep do
+  local key = kp .. cur
+  cur = (cur + 1) % nb
+  local all = redis.call('HGETALL', key)
+  for j = 1, #all, 2 do
+    if tonumber(all[j + 1]) <= floor then redis.call('HDEL', key, all[j]) end
+  end
+end
+redis.call('HSET', meta, 'g:' .. rep, g, 'n:' .. rep, cnt, 'b:' .. rep, nb, 'c:' .. rep, cur, 'w:' .. rep, w)
+redis.call('PEXPIRE', meta, ttl)
+return new
+"""
+
+REMOVE_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local hs = ARGV[2]
+local kp = ARGV[3] .. rep .. ':'
+local nb = tonumber(redis.call('HGET', meta, 'b:' .. rep))
+if not nb then return 0 end
+local gone = 0
+for i = 1, #hs / 8 do
+  local h = string.sub(hs, i * 8 - 7, i * 8)
+  local b1, b2, b3 = string.byte(h, 1, 3)
+  gone = gone + redis.call('HDEL', kp .. ((b1 + b2 * 256 + b3 * 65536) % nb), h)
+end
+return gone
+"""
+
+CLEAR_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local w = tonumber(redis.call('HGET', meta, 'w:' .. rep))
+if not w then return 0 end
+redis.call('HINCRBY', meta, 'g:' .. rep, w)
+redis.call('HSET', meta, 'n:' .. rep, 0)
+return 1
+"""
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as one binary string, 8 little-endian bytes each."""
+    try:
+        return array("Q", hashes).tobytes()
+    except OverflowError:
+        return array("Q", [h & 0xFFFFFFFFFFFFFFFF for h in hashes]).tobytes()
+
+
+def model_tag(model: str) -> str:
+    """The model's name as a Cluster hash tag body (braces would end the tag early)."""
+    return model.replace("{", "(").replace("}", ")")
+
+
+class RedisIndex:
+    """The shared index (``index.backend: redis``)."""
+
+    def __init__(self, url: str, namespace: str = "kvrouter", ttl_s: float = 3600.0,
+                 default_capacity: int = 100_000, capacities: Mapping[str, int] | None = None,
+                 timeout_s: float = 0.25, retry_s: float = 1.0, batch_max: int = 256,
+                 max_pending: int = 10_000, events: IndexEvents | None = None,
+                 client: Any = None) -> None:
+        self.url = url
+        self.ns = namespace
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.default_capacity = int(default_capacity)
+        self._capacity = {k: int(v) for k, v in (capacities or {}).items()}
+        self.retry_s = retry_s
+        self.batch_max = batch_max
+        self.max_pending = max_pending
+        self.events = events or IndexEvents()
+        self.client = client or aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), decode_responses=False, health_check_interval=0)
+        self._lookup = self.client.register_script(LOOKUP_LUA)
+        self._record = self.client.register_script(RECORD_LUA)
+        self._remove = self.client.register_script(REMOVE_LUA)
+        self._clear = self.client.register_script(CLEAR_LUA)
+        self._prefix: dict[str, tuple[list[bytes], bytes]] = {}  # model -> ([meta key], key prefix)
+        self._known_models: set[str] = set()
+        self._pending: deque[tuple[str, bytes, str]] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._down_until = 0.0
+        self.up = True
+        self.dropped = 0
+        self.failures = 0
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._writer(), name="redis-index-writer")
+        with contextlib.suppress(Exception):
+            await self.client.ping()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.flush(), 2.0)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+
+    # -- keys -------------------------------------------------------------------------
+    def _keys(self, model: str) -> tuple[list[bytes], bytes]:
+        k = self._prefix.get(model)
+        if k is None:
+            base = f"{self.ns}:{{{model_tag(model)}}}:"
+            k = self._prefix[model] = ([f"{base}meta".encode()], base.encode())
+        return k
+
+    def capacity(self, replica: str) -> int:
+        return self._capacity.get(replica, self.default_capacity)
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        if blocks <= 0:
+            raise ValueError("capacity must be positive")
+        self._capacity[replica] = int(blocks)
+
+    # -- circuit ----------------------------------------------------------------------
+    def _available(self) -> bool:
+        return self.up or time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.failures += 1
+        self.events.error(op)
+        self._down_until = time.monotonic() + self.retry_s
+        if self.up:
+            self.up = False
+            self.events.availability(False)
+            log.warning("redis index unreachable (%s: %s); routing on load alone until it answers",
+                        op, exc.__class__.__name__)
+
+    def _ok(self) -> None:
+        if not self.up:
+            self.up = True
+            self.events.availability(True)
+            log.warning("redis index reachable again; prefix routing resumed")
+
+    # -- reads ------------------------------------------------------------------------
+    async def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        if not hashes or not self._available():
+            return {}
+        keys, prefix = self._keys(model)
+        try:
+            raw = await self._lookup(keys=keys, args=[pack_hashes(hashes), prefix])
+        except Exception as exc:  # any failure: route on load alone
+            self._failed("lookup", exc)
+            return {}
+        self._ok()
+        return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
+
+    # -- writes -----------------------------------------------------------------------
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
+        """Queue a record for the background writer (never blocks, never raises)."""
+        if not hashes:
+            return
+        if len(self._pending) >= self.max_pending:
+            self._pending.popleft()
+            self.dropped += 1
+            self.events.error("record")
+        self._pending.append((model, pack_hashes(hashes), replica))
+        self._idle.clear()
+        self._wake.set()
+
+    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None:
+        self.record_nowait(model, hashes, replica)
+
+    async def flush(self) -> None:
+        """Wait until every queued record was written (or dropped)."""
+        if self._task is None:
+            await self._write_batch()
+            return
+        await self._idle.wait()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                await self._write_batch()
+            self._idle.set()
+
+    async def _write_batch(self) -> None:
+        if not self._pending:
+            return
+        batch = [self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))]
+        if not self._available():
+            self.dropped += len(batch)
+            self.events.error("record")
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for model in {m for m, _, _ in batch} - self._known_models:
+                pipe.sadd(f"{self.ns}:models", model)
+            for model, packed, replica in batch:
+                keys, prefix = self._keys(model)
+                await self._record(keys=keys, args=[replica, packed, prefix, self.capacity(replica),
+                                                    self.ttl_ms, GENERATIONS, BUCKET_TARGET],
+                                   client=pipe)
+            await pipe.execute()
+            self._known_models.update(m for m, _, _ in batch)
+        except Exception as exc:
+            self.dropped += len(batch)
+            self._failed("record", exc)
+            return
+        self._ok()
+
+    async def _models(self) -> list[str]:
+        return [m.decode() for m in await self.client.smembers(f"{self.ns}:models")]
+
+    async def remove(self, replica: str, hashes: Sequence[int]) -> None:
+        if not hashes or not self._available():
+            return
+        try:
+            await self.flush()  # a record queued before this remove must not resurrect it
+            packed = pack_hashes(hashes)
+            for model in await self._models():
+                keys, prefix = self._keys(model)
+                await self._remove(keys=keys, args=[replica, packed, prefix])
+        except Exception as exc:
+            self._failed("remove", exc)
+            return
+        self._ok()
+
+    async def clear(self, replica: str) -> None:
+        if not self._available():
+            return
+        try:
+            await self.flush()
+            for model in await self._models():
+                keys, _ = self._keys(model)
+                await self._clear(keys=keys, args=[replica])
+        except Exception as exc:
+            self._failed("clear", exc)
+            return
+        self._ok()
+
+
+def buckets_for(capacity: int) -> int:
+    """Bucket count the record script picks for a replica of ``capacity`` blocks."""
+    return max(1, math.ceil(capacity / BUCKET_TARGET))
