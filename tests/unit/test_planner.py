@@ -274,6 +274,13 @@ def test_speed_and_concurrency_outputs_are_consistent():
 
 def test_to_dict_has_every_key_of_the_issue_and_is_json():
     d = plan(inp(weight_dtype="fp16", context=131072)).to_dict()
-    keys = ["weights_bytes", "kv_bytes_per_token", "kv_bytes_per_token_naive", "kv_bytes_per_sequence", "overhead_bytes", "kv_capacity_tokens", "kv_capacity_blocks", "max_concurrent_sequences", "prefill_tokens_per_s", "decode_tokens_per_s_per_seq", "decode_tokens_per_s_total", "ttft_s", "request_latency_s", "max_concurrent_users", "fits", "verdict", "model", "gpu", "num_gpus", "tensor_parallel", "weight_dtype", "kv_dtype", "gpu_memory_utilization", "context", "batch_size", "prompt_tokens", "output_tokens", "block_size"]
+    keys = [
+        "weights_bytes", "kv_bytes_per_token", "kv_bytes_per_token_naive", "kv_bytes_per_sequence",
+        "overhead_bytes", "kv_capacity_tokens", "kv_capacity_blocks", "max_concurrent_sequences",
+        "prefill_tokens_per_s", "decode_tokens_per_s_per_seq", "decode_tokens_per_s_total", "ttft_s",
+        "request_latency_s", "max_concurrent_users", "fits", "verdict", "model", "gpu", "num_gpus",
+        "tensor_parallel", "weight_dtype", "kv_dtype", "gpu_memory_utilization", "context", "batch_size",
+        "prompt_tokens", "output_tokens", "block_size",
+    ]
     assert set(keys) <= set(d)
     assert json.loads(json.dumps(d)) == d
