@@ -162,6 +162,9 @@ class Roofline:
             2 * m.num_layers * math.ceil(m.num_kv_heads / tp) * m.head_dim * self.kv_elem_bytes
         )
         # overhead and KV capacity per GPU
+        # activation peak: per profiled token, the gated MLP's gate+up output (2 × intermediate
+        # per routed expert, split over TP) plus four hidden-size buffers (residual, normed
+        # input, attention output, MLP output)
         act = PROFILE_TOKENS * (2 * m.intermediate_size * m.experts_per_token / tp + 4 * m.hidden_size)
         self.overhead_bytes = int(NON_TORCH_BYTES + act * self.activation_bytes
                                   + MAX_NUM_SEQS * m.vocab_size * LOGIT_BYTES / tp)
