@@ -1,0 +1,451 @@
+"""The router's configuration: one frozen dataclass tree, the only place options become objects.
+
+Sources, later ones winning: defaults < YAML file < ``KVROUTER_...`` environment variables
+< CLI overrides (``section.key=value`` strings). Every value is validated once, at load
+time, and a bad value raises :class:`ConfigError` naming the key and the problem, e.g.
+``replicas[2].url: must be http(s)://host:port``.
+
+Environment variables address keys with ``__`` between levels:
+``KVROUTER_LISTEN__PORT=8001``, ``KVROUTER_POLICY__NAME=least_loaded``,
+``KVROUTER_AUTH__API_KEYS=k1,k2``. Values are read as YAML scalars (so ``true``, ``3``,
+``0.5`` and ``[a, b]`` work); a comma list is accepted where a list is expected.
+Pure: no I/O besides reading the file in :meth:`Config.from_file`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+ENV_PREFIX = "KVROUTER_"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; ``str()`` starts with the dotted key at fault."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "round_robin"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    tokenizer: str = "builtin"  # builtin | backend | PATH (tokenizer.json or model dir)
+    block_size: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    backend: str = "memory"  # memory | redis
+    url: str | None = None
+    namespace: str = "kvrouter"
+    ttl_s: float = 3600.0
+    capacity_blocks: int = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    id: str
+    url: str
+    models: tuple[str, ...]
+    api_key: str | None = None
+    capacity_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    path: str = "/health"
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    failure_threshold: int = 2
+    success_threshold: int = 1
+    eject_on_connect_error: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    enabled: bool = True
+    path: str = "/metrics"
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 300.0
+    idle_timeout_s: float = 120.0
+    total_timeout_s: float = 900.0
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
+    retry_backoff_max_s: float = 1.0
+    max_connections_per_replica: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    metrics_public: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_concurrent: int = 4096
+    retry_after_s: int = 1
+    max_header_line_bytes: int = 8190
+    max_header_field_bytes: int = 8190
+    max_headers: int = 128
+
+
+@dataclass(frozen=True, slots=True)
+class HeadersConfig:
+    replica_header: str = "x-kvrouter-replica"  # empty string: not sent
+    request_id_header: str = "x-request-id"
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "text"  # text | json
+    requests: bool = True  # one line per request
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    replicas: tuple[ReplicaConfig, ...] = ()
+    health: HealthConfig = field(default_factory=HealthConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    headers: HeadersConfig = field(default_factory=HeadersConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Config:
+        return _build_config(d or {})
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Config:
+        return cls.from_dict(read_yaml(path))
+
+    def model_names(self) -> list[str]:
+        """Every model some replica serves, in first-seen order."""
+        seen: dict[str, None] = {}
+        for r in self.replicas:
+            for m in r.models:
+                seen.setdefault(m, None)
+        return list(seen)
+
+    def model(self, name: str) -> ModelConfig:
+        return self.models.get(name) or ModelConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read file ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "top level must be a mapping")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+) -> Config:
+    """File (optional) < ``KVROUTER_`` env (pass ``os.environ``; None means none) < overrides."""
+    data: dict[str, Any] = read_yaml(path) if path else {}
+    for key, raw in sorted((env or {}).items()):
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = ".".join(p.lower() for p in key[len(ENV_PREFIX):].split("__"))
+            _set_path(data, dotted, _scalar(raw), source=key)
+    items = overrides.items() if isinstance(overrides, Mapping) else (_split_override(o) for o in overrides)
+    for dotted, val in items:
+        _set_path(data, dotted, _scalar(val) if isinstance(val, str) else val, source=dotted)
+    return Config.from_dict(data)
+
+
+def env_overrides() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+
+
+def _split_override(o: str) -> tuple[str, str]:
+    if "=" not in o:
+        raise ConfigError(o, "override must be KEY=VALUE (e.g. listen.port=8001)")
+    k, v = o.split("=", 1)
+    return k.strip(), v
+
+
+def _scalar(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+_INDEX = re.compile(r"^(\w+)\[(\d+)\]$")
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(source, "empty key")
+    cur: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        m = _INDEX.match(part)
+        if m:
+            name, idx = m.group(1), int(m.group(2))
+            lst = cur.setdefault(name, [])
+            if not isinstance(lst, list) or idx >= len(lst):
+                raise ConfigError(source, f"{name}[{idx}] does not exist")
+            if last:
+                lst[idx] = value
+            else:
+                if not isinstance(lst[idx], dict):
+                    raise ConfigError(source, f"{name}[{idx}] is not a mapping")
+                cur = lst[idx]
+            continue
+        if last:
+            cur[part] = value
+        else:
+            nxt = cur.get(part)
+            if nxt is None:
+                nxt = cur[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(source, f"{part} is not a mapping")
+            cur = nxt
+
+
+# ---------------------------------------------------------------- validation helpers
+
+
+def _mapping(v: Any, key: str) -> Mapping[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ConfigError(key, f"must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _section(cls: type, raw: Any, key: str, checks: Mapping[str, Any]) -> Any:
+    """Build a flat dataclass section from ``raw``, type-checking each field."""
+    d = dict(_mapping(raw, key))
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(names))})")
+    out: dict[str, Any] = {}
+    for name, v in d.items():
+        check = checks.get(name)
+        out[name] = check(v, f"{key}.{name}") if check else v
+    return cls(**out)
+
+
+def _int(lo: int | None = None, hi: int | None = None, optional: bool = False) -> Any:
+    def f(v: Any, key: str) -> int | None:
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(key, f"must be an integer, got {v!r}")
+        if lo is not None and v < lo:
+            raise ConfigError(key, f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ConfigError(key, f"must be <= {hi}, got {v}")
+        return v
+
+    return f
+
+
+def _num(lo: float | None = None, positive: bool = False) -> Any:
+    def f(v: Any, key: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ConfigError(key, f"must be a number, got {v!r}")
+        if positive and v <= 0:
+            raise ConfigError(key, f"must be > 0, got {v}")
+        if lo is not None and v < lo:
+            raise ConfigError(key, f"must be >= {lo}, got {v}")
+        return float(v)
+
+    return f
+
+
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(optional: bool = False, choices: Sequence[str] = (), nonempty: bool = True) -> Any:
+    def f(v: Any, key: str) -> str | None:
+        if v is None and optional:
+            return None
+        if not isinstance(v, str):
+            raise ConfigError(key, f"must be a string, got {v!r}")
+        if choices and v not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}")
+        if nonempty and not v:
+            raise ConfigError(key, "must not be empty")
+        return v
+
+    return f
+
+
+def _str_list(v: Any, key: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [s.strip() for s in v.split(",") if s.strip()]
+    if v is None:
+        return ()
+    if not isinstance(v, list | tuple) or not all(isinstance(s, str) and s for s in v):
+        raise ConfigError(key, "must be a list of non-empty strings")
+    return tuple(v)
+
+
+def _path(v: Any, key: str) -> str:
+    if not isinstance(v, str) or not v.startswith("/"):
+        raise ConfigError(key, f"must be a path starting with '/', got {v!r}")
+    return v
+
+
+def _http_url(v: Any, key: str) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(key, "must be http(s)://host:port")
+    try:
+        u = urlsplit(v)
+        port = u.port
+    except ValueError:
+        raise ConfigError(key, "must be http(s)://host:port") from None
+    if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path not in ("", "/"):
+        raise ConfigError(key, "must be http(s)://host:port")
+    return v.rstrip("/")
+
+
+def _build_config(d: Mapping[str, Any]) -> Config:
+    d = _mapping(d, "config")
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown section (known: {', '.join(sorted(known))})")
+    listen = _section(ListenConfig, d.get("listen"), "listen",
+                      {"host": _str(), "port": _int(0, 65535)})
+    policy = _section(PolicyConfig, d.get("policy"), "policy",
+                      {"name": _str(), "options": lambda v, k: dict(_mapping(v, k))})
+    models: dict[str, ModelConfig] = {}
+    for name, m in _mapping(d.get("models"), "models").items():
+        key = f"models.{name}"
+        models[str(name)] = _section(ModelConfig, m, key,
+                                     {"tokenizer": _str(), "block_size": _int(1, 1 << 20)})
+    index = _section(IndexConfig, d.get("index"), "index", {
+        "backend": _str(choices=("memory", "redis")), "url": _str(optional=True),
+        "namespace": _str(), "ttl_s": _num(positive=True), "capacity_blocks": _int(1)})
+    if index.backend == "redis" and not index.url:
+        raise ConfigError("index.url", "required when index.backend is redis")
+    reps_raw = d.get("replicas") or []
+    if not isinstance(reps_raw, list):
+        raise ConfigError("replicas", "must be a list")
+    replicas: list[ReplicaConfig] = []
+    seen_ids: set[str] = set()
+    for i, r in enumerate(reps_raw):
+        key = f"replicas[{i}]"
+        r = dict(_mapping(r, key))
+        r.setdefault("id", f"r{i}")
+        if "url" not in r:
+            raise ConfigError(f"{key}.url", "required")
+        if "models" not in r:
+            raise ConfigError(f"{key}.models", "required (the model names this replica serves)")
+        rep = _section(ReplicaConfig, r, key, {
+            "id": lambda v, k: _str()(str(v) if isinstance(v, int) else v, k),
+            "url": _http_url, "models": _str_list,
+            "api_key": _str(optional=True), "capacity_blocks": _int(1, optional=True)})
+        if not rep.models:
+            raise ConfigError(f"{key}.models", "must list at least one model")
+        if rep.id in seen_ids:
+            raise ConfigError(f"{key}.id", f"duplicate replica id {rep.id!r}")
+        seen_ids.add(rep.id)
+        replicas.append(rep)
+    health = _section(HealthConfig, d.get("health"), "health", {
+        "path": _path, "interval_s": _num(positive=True), "timeout_s": _num(positive=True),
+        "failure_threshold": _int(1), "success_threshold": _int(1), "eject_on_connect_error": _bool})
+    scrape = _section(ScrapeConfig, d.get("scrape"), "scrape", {
+        "enabled": _bool, "path": _path, "interval_s": _num(positive=True), "timeout_s": _num(positive=True)})
+    upstream = _section(UpstreamConfig, d.get("upstream"), "upstream", {
+        "connect_timeout_s": _num(positive=True), "first_byte_timeout_s": _num(positive=True),
+        "idle_timeout_s": _num(positive=True), "total_timeout_s": _num(positive=True),
+        "max_retries": _int(0, 20), "retry_backoff_s": _num(lo=0), "retry_backoff_max_s": _num(lo=0),
+        "max_connections_per_replica": _int(1)})
+    auth = _section(AuthConfig, d.get("auth"), "auth", {
+        "api_keys": _str_list, "admin_key": _str(optional=True), "metrics_public": _bool})
+    limits = _section(LimitsConfig, d.get("limits"), "limits", {
+        "max_body_bytes": _int(1), "max_concurrent": _int(1), "retry_after_s": _int(0),
+        "max_header_line_bytes": _int(256), "max_header_field_bytes": _int(256), "max_headers": _int(8)})
+    headers = _section(HeadersConfig, d.get("headers"), "headers", {
+        "replica_header": _str(nonempty=False), "request_id_header": _str()})
+    logging_ = _section(LoggingConfig, d.get("logging"), "logging", {
+        "level": _str(choices=("debug", "info", "warning", "error")),
+        "format": _str(choices=("text", "json")), "requests": _bool})
+    return Config(listen=listen, policy=policy, models=models, index=index, replicas=tuple(replicas),
+                  health=health, scrape=scrape, upstream=upstream, auth=auth, limits=limits,
+                  headers=headers, logging=logging_)
+
+
+def check_policy(cfg: Config) -> None:
+    """Raise ConfigError when ``policy.name`` is not a registered policy or its options fail."""
+    from router.core.scheduler import default_registry
+
+    reg = default_registry()
+    if cfg.policy.name not in reg.names():
+        raise ConfigError("policy.name", f"unknown policy {cfg.policy.name!r} (known: {', '.join(reg.names())})")
+    try:
+        reg.create(cfg.policy.name, cfg.policy.options)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("policy.options", str(exc)) from None

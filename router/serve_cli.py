@@ -1,0 +1,95 @@
+"""``kvrouter serve``: run the router from a config file, env overrides and CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from router.config import Config, ConfigError, check_policy, load_config
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="listen address (listen.host)")
+    p.add_argument("--port", type=int, help="listen port (listen.port)")
+    p.add_argument("--policy", help="routing policy (policy.name)")
+    p.add_argument("--log-format", choices=("text", "json"), help="logging.format")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="logging.level")
+    p.add_argument("--no-request-log", action="store_true", help="no per-request log line (logging.requests=false)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set upstream.max_retries=3 (repeatable)")
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    if args.host:
+        out["listen.host"] = args.host
+    if args.port is not None:
+        out["listen.port"] = args.port
+    if args.policy:
+        out["policy.name"] = args.policy
+    if args.log_format:
+        out["logging.format"] = args.log_format
+    if args.log_level:
+        out["logging.level"] = args.log_level
+    if args.no_request_log:
+        out["logging.requests"] = False
+    for item in args.set:
+        if "=" not in item:
+            raise ConfigError(item, "--set needs KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvrouter serve", description="Run the kvrouter proxy. "
+                                "Precedence: defaults < --config FILE < KVROUTER_* env < flags.")
+    p.add_argument("--config", "-c", help="YAML config file (see config/router.yaml)")
+    p.add_argument("--replica", action="append", default=[], metavar="URL=MODEL[,MODEL]",
+                   help="add a replica (appended to the file's replicas), e.g. http://127.0.0.1:9001=llama")
+    add_common_flags(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, env=os.environ, overrides=flag_overrides(args))
+        cfg = with_cli_replicas(cfg, args.replica)
+        check_policy(cfg)
+    except ConfigError as exc:
+        print(f"kvrouter serve: config error: {exc}", file=sys.stderr)
+        return 2
+    if not cfg.replicas:
+        print("kvrouter serve: config error: replicas: at least one replica is required", file=sys.stderr)
+        return 2
+    return run_router(cfg)
+
+
+def with_cli_replicas(cfg: Config, specs: list[str]) -> Config:
+    if not specs:
+        return cfg
+    data = cfg.to_dict()
+    n = len(data["replicas"])
+    for i, spec in enumerate(specs):
+        url, _, models = spec.partition("=")
+        if not models:
+            raise ConfigError(f"--replica {spec}", "must be URL=MODEL[,MODEL]")
+        data["replicas"].append({"id": f"r{n + i}", "url": url, "models": models.split(",")})
+    return Config.from_dict(data)
+
+
+def run_router(cfg: Config) -> int:
+    from router.logs import setup_logging
+    from router.server import Server, run, serve_forever
+
+    logger = setup_logging(cfg.logging)
+
+    def ready(server: Server) -> None:
+        logger.info("kvrouter listening on %s (policy %s, %d replicas)", server.url, cfg.policy.name,
+                    len(cfg.replicas))
+        print(f"kvrouter listening on {server.url}", flush=True)
+
+    try:
+        run(lambda: serve_forever(cfg, on_ready=ready))
+    except OSError as exc:
+        print(f"kvrouter serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
