@@ -31,7 +31,9 @@ it advances ``g:R`` by ``w`` (everything stale at once; the sweep deletes it lat
 
 TTL backstop: every key touched by a record gets ``PEXPIRE ttl``; an idle model's keys vanish.
 
-Lookup: one ``EVALSHA`` whose only argument is the packed hashes (8 bytes each); the
+Lookup: one ``EVALSHA`` (on a lean RESP connection, :mod:`router.index.resp`, because
+redis-py's per-call CPU would eat the hot-path budget) whose data argument is the packed
+hashes (8 bytes each); the
 script reads the meta hash, and per replica checks the first block, the last, then binary
 searches the chain (≤ 2 + log2 n ``HGET``s per replica), building key names inside the
 script (declared key: the meta hash; all others share its hash tag). The binary search
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -60,6 +63,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from router.index.base import IndexEvents
+from router.index.resp import RespConnection, RespError
 
 log = logging.getLogger("kvrouter.index.redis")
 
@@ -234,7 +238,10 @@ class RedisIndex:
         self.client = client or aioredis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), decode_responses=False, health_check_interval=0)
-        self._lookup = self.client.register_script(LOOKUP_LUA)
+        self.timeout_s = timeout_s
+        self._lookup_sha = hashlib.sha1(LOOKUP_LUA.encode()).hexdigest().encode()
+        self._conn: RespConnection | None = None
+        self._conn_lock = asyncio.Lock()
         self._record = self.client.register_script(RECORD_LUA)
         self._remove = self.client.register_script(REMOVE_LUA)
         self._clear = self.client.register_script(CLEAR_LUA)
@@ -265,6 +272,9 @@ class RedisIndex:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
         with contextlib.suppress(Exception):
             await self.client.aclose()
 
@@ -310,12 +320,41 @@ class RedisIndex:
             return {}
         keys, prefix = self._keys(model)
         try:
-            raw = await self._lookup(keys=keys, args=[pack_hashes(hashes), prefix])
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = await self._connect()
+            raw = await self._call(conn, b"EVALSHA", self._lookup_sha, b"1", keys[0],
+                                   pack_hashes(hashes), prefix)
+            if isinstance(raw, RespError):
+                if not str(raw).startswith("NOSCRIPT"):
+                    raise raw
+                await self._call(conn, b"SCRIPT", b"LOAD", LOOKUP_LUA)
+                raw = await self._call(conn, b"EVALSHA", self._lookup_sha, b"1", keys[0],
+                                       pack_hashes(hashes), prefix)
+                if isinstance(raw, RespError):
+                    raise raw
         except Exception as exc:  # any failure: route on load alone
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
             self._failed("lookup", exc)
             return {}
         self._ok()
-        return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
+        return {raw[i].decode(): raw[i + 1] for i in range(0, len(raw), 2)}
+
+    async def _connect(self) -> RespConnection:
+        async with self._conn_lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = await RespConnection.open(self.url, self.timeout_s)
+            return self._conn
+
+    async def _call(self, conn: RespConnection, *args: bytes | str) -> object:
+        fut = conn.call(*args)
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, _expire, fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
 
     # -- writes -----------------------------------------------------------------------
     def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
@@ -402,6 +441,11 @@ class RedisIndex:
             self._failed("clear", exc)
             return
         self._ok()
+
+
+def _expire(fut: asyncio.Future[object]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("redis lookup timed out"))
 
 
 def buckets_for(capacity: int) -> int:
