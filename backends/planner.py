@@ -112,11 +112,12 @@ def validate(inp: PlanInput) -> None:
         raise PlannerError(f"unknown KV dtype {inp.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
     if not 0 < inp.gpu_memory_utilization <= 1:
         raise PlannerError("gpu_memory_utilization must be in (0, 1]")
-    for field in ("num_gpus", "tensor_parallel", "context", "batch_size", "output_tokens", "block_size"):
+    for field in ("num_gpus", "tensor_parallel", "context", "batch_size", "prompt_tokens", "output_tokens",
+                  "block_size"):
         if int(getattr(inp, field)) < 1:
             raise PlannerError(f"{field} must be >= 1")
-    if inp.prompt_tokens < 0 or inp.spec_tokens < 0:
-        raise PlannerError("prompt_tokens and spec_tokens must be >= 0")
+    if inp.spec_tokens < 0:
+        raise PlannerError("spec_tokens must be >= 0")
     if not 0 <= inp.spec_acceptance <= 1:
         raise PlannerError("spec_acceptance must be in [0, 1]")
     if inp.model.num_attention_heads % inp.tensor_parallel:
@@ -339,7 +340,7 @@ def plan(inp: PlanInput) -> PlanResult:
     per_request = inp.prompt_tokens + inp.output_tokens
     avg_context = inp.prompt_tokens + inp.output_tokens / 2
     per_seq = rl.decode_tokens_per_s_per_seq(inp.batch_size, int(inp.batch_size * avg_context))
-    ttft = rl.prefill_time_s(inp.prompt_tokens) if inp.prompt_tokens else 0.0
+    ttft = rl.prefill_time_s(inp.prompt_tokens)  # the prefill step also samples the first token
     latency = ttft + (inp.output_tokens - 1) / per_seq
     users = min(rl.kv_capacity_tokens // per_request, MAX_NUM_SEQS)
     if users:  # Little's law at that many users per replica, each at its own decode speed

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backends.planner import (
     DRAFT_STEP_COST_RATIO,
@@ -206,6 +209,7 @@ def test_kv_bound_misfit_suggests_fp8_kv():
     [("weight_dtype", "int3", "fp32, fp16, bf16, fp8, int8, int4"), ("kv_dtype", "int8", "auto"),
      ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"), ("tensor_parallel", 3, "attention heads"),
      ("num_gpus", 3, "multiple of tensor_parallel"), ("context", 0, "context"),
+     ("prompt_tokens", 0, "prompt_tokens"), ("spec_tokens", -1, "spec_tokens"),
      ("spec_acceptance", 1.2, "spec_acceptance")],
 )
 def test_bad_inputs_raise_planner_error(field, value, match):
@@ -284,3 +288,30 @@ def test_to_dict_has_every_key_of_the_issue_and_is_json():
     ]
     assert set(keys) <= set(d)
     assert json.loads(json.dumps(d)) == d
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    model=st.sampled_from(sorted(MODEL_PRESETS)), gpu=st.sampled_from(sorted(GPU_PRESETS)),
+    dtype=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), tp=st.sampled_from([1, 2, 4, 8]),
+    replicas=st.integers(1, 4), context=st.integers(1, 300_000), batch=st.integers(1, 512),
+    prompt=st.integers(1, 50_000), output=st.integers(1, 8_000), block=st.sampled_from([1, 16, 32, 128]),
+    k=st.integers(0, 8), a=st.floats(0, 1),
+)
+def test_plan_is_total_and_consistent(model, gpu, dtype, tp, replicas, context, batch, prompt, output, block, k, a):
+    m = get_model(model)
+    if m.num_attention_heads % tp:
+        return
+    base = PlanInput(m, get_gpu(gpu), num_gpus=tp * replicas, tensor_parallel=tp, weight_dtype=dtype,
+                     context=context, batch_size=batch, prompt_tokens=prompt, output_tokens=output,
+                     block_size=block, spec_tokens=k, spec_acceptance=a)
+    r = plan(base)
+    d = r.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert r.kv_capacity_tokens == r.kv_capacity_blocks * block >= 0
+    assert r.fits == (r.kv_capacity_tokens >= batch * context) == r.verdict.startswith("fits")
+    for value in (r.decode_tokens_per_s_per_seq, r.request_latency_s, r.prefill_tokens_per_s):
+        assert math.isfinite(value) and value > 0
+    assert r.request_latency_s >= r.ttft_s >= 0
+    fp8 = plan(replace(base, kv_dtype="fp8"))
+    assert fp8.kv_capacity_blocks >= 2 * r.kv_capacity_blocks
