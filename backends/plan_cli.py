@@ -101,6 +101,9 @@ def _presets_text() -> str:
     return "\n".join(lines)
 
 
+_SPEED_ROWS = frozenset({"prefill", "decode per sequence", "decode total", "time to first token", "request latency"})
+
+
 def format_table(r: PlanResult) -> str:
     """The human-readable report (the same figures as --json)."""
     i = r.inp
@@ -140,6 +143,8 @@ def format_table(r: PlanResult) -> str:
         ("fits", "yes" if r.fits else "NO"),
         ("verdict", r.verdict),
     ]
+    if not r.fits:  # the speed rows describe the plan as if it fitted
+        rows = [(k, f"{v}  (if it fitted)" if k in _SPEED_ROWS else v) for k, v in rows]
     rows += [("warning", w) for w in r.warnings]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
