@@ -375,3 +375,50 @@ def sglang_block_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
         prior = sglang_hash_str(tokens[b * page_size:(b + 1) * page_size], prior)
         out.append(sglang_event_hash(prior))
     return out
+
+
+class VllmBlockHasher:
+    """vLLM's sha256 chain as a simulator block hasher:
+    ``hasher(tokens, block_size, *, parent, model, lora, cache_salt) -> event hashes``.
+
+    Chains continue from a 64-bit ``parent`` (what engines publish), so the full digests of
+    recent blocks are kept in a bounded map (oldest dropped first). The model name does not
+    enter vLLM's hash (one engine serves one model)."""
+
+    def __init__(self, max_entries: int = 1_000_000) -> None:
+        self.max_entries = max_entries
+        self._digests: dict[int, bytes] = {}
+
+    def __call__(self, tokens: Sequence[int], block_size: int, *, parent: int | None = None,
+                 model: str = "", lora: str | None = None, cache_salt: str | None = None) -> list[int]:
+        if parent is None:
+            digests = vllm_block_digests(tokens, block_size, lora_name=lora, cache_salt=cache_salt)
+        else:
+            pd = self._digests.get(parent)
+            if pd is None:  # parent fell out of the map: fall back to a deterministic stand-in
+                pd = hashlib.sha256(parent.to_bytes(8, "big")).digest()
+            digests = _continue(tokens, block_size, pd, lora)  # salt is a first-block key only
+        out = []
+        d = self._digests
+        for dg in digests:
+            h = vllm_event_hash(dg)
+            d.pop(h, None)
+            d[h] = dg
+            out.append(h)
+        over = len(d) - self.max_entries
+        if over > 0:
+            for k in list(d)[:over]:
+                del d[k]
+        return out
+
+
+def _continue(tokens: Sequence[int], block_size: int, parent: bytes, lora: str | None) -> list[bytes]:
+    """Digests of blocks that are not a prompt's first (no cache_salt in their extra keys)."""
+    h = parent
+    out: list[bytes] = []
+    extra = (lora,) if lora else None
+    for b in range(len(tokens) // block_size):
+        blk = tuple(int(t) for t in tokens[b * block_size:(b + 1) * block_size])
+        h = hashlib.sha256(pickle.dumps((h, blk, extra), pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(h)
+    return out

@@ -98,6 +98,7 @@ class ReplicaTracker:
         self.max_map = max_map
         self.stats = TrackerStats()
         self._map: dict[int, tuple[int, ...]] = {}
+        self._held: dict[int, int] = {}  # router hash -> number of engine blocks mapping to it
 
     def __len__(self) -> int:
         return len(self._map)
@@ -105,9 +106,33 @@ class ReplicaTracker:
     def router_hashes(self, engine_hash: int) -> tuple[int, ...] | None:
         return self._map.get(engine_hash)
 
+    def holds(self, router_hash: int) -> bool:
+        """True when an engine event says the replica holds this router block."""
+        return router_hash in self._held
+
     def reset(self) -> None:
         """Forget every mapping (the caller clears the replica in the index)."""
         self._map = {}
+        self._held = {}
+
+    def _put(self, eh: int, rh: tuple[int, ...]) -> None:
+        self._drop(eh)
+        self._map[eh] = rh
+        held = self._held
+        for h in rh:
+            held[h] = held.get(h, 0) + 1
+
+    def _drop(self, eh: int) -> tuple[int, ...] | None:
+        rh = self._map.pop(eh, None)
+        if rh is not None:
+            held = self._held
+            for h in rh:
+                n = held.get(h, 0) - 1
+                if n > 0:
+                    held[h] = n
+                else:
+                    held.pop(h, None)
+        return rh
 
     def _accepts(self, medium: str | None, group_idx: int) -> bool:
         return (medium is None or medium in self.mediums) and group_idx == self.group_idx
@@ -161,9 +186,8 @@ class ReplicaTracker:
             parent, seed = chain[-1], 0
         hashes = block_hashes(ev.token_ids[: n * be], br, seed, parent=parent)
         k = be // br
-        for i, eh in enumerate(ev.block_hashes):
-            self._map.pop(eh, None)  # re-insert at the end (recency order for the bound)
-            self._map[eh] = tuple(hashes[i * k:(i + 1) * k])
+        for i, eh in enumerate(ev.block_hashes):  # (re-)inserted last: recency order for the bound
+            self._put(eh, tuple(hashes[i * k:(i + 1) * k]))
         self._bound()
         self.stats.stored_blocks += n
         return hashes
@@ -174,7 +198,7 @@ class ReplicaTracker:
             return []
         out: list[int] = []
         for eh in ev.block_hashes:
-            rh = self._map.pop(eh, None)
+            rh = self._drop(eh)
             if rh is None:
                 self.stats.unknown_removed += 1
             else:
@@ -186,5 +210,5 @@ class ReplicaTracker:
         over = len(self._map) - self.max_map
         if over > 0:
             for eh in list(self._map)[:over]:  # oldest first
-                del self._map[eh]
+                self._drop(eh)
             self.stats.map_evictions += over

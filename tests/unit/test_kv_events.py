@@ -210,3 +210,17 @@ def test_sglang_hash_formula():
 def test_encode_rejects_unknown_encoding():
     with pytest.raises(ValueError):
         encode_payload(EventBatch(0.0), "json")
+
+
+def test_vllm_block_hasher_continues_chains_from_64bit_parents():
+    from backends.kv_events import VllmBlockHasher
+
+    tokens = list(range(64))
+    hasher = VllmBlockHasher()
+    whole = vllm_block_hashes(tokens, 16, cache_salt="s")
+    first = hasher(tokens[:32], 16, parent=None, model="m", cache_salt="s")
+    rest = hasher(tokens[32:], 16, parent=first[-1], model="m", cache_salt="s")
+    assert first + rest == whole
+    small = VllmBlockHasher(max_entries=2)
+    small(tokens, 16, parent=None, model="m")
+    assert len(small._digests) == 2

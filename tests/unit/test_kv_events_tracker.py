@@ -101,3 +101,18 @@ def test_seq_tracker():
     assert s.check(5) == "first"
     s.accept(5)
     assert s.check(6) == "next" and s.check(9) == "gap" and s.check(5) == "old" and s.check(0) == "old"
+
+
+def test_holds_follows_store_remove_clear():
+    t = ReplicaTracker("r0", "m", 16)
+    want = block_hashes(TOKENS, 16, seed_hash("m"))
+    t.apply(EventBatch(0.0, (stored([1, 2, 3, 4], None, TOKENS),)))
+    assert all(t.holds(h) for h in want)
+    t.apply(EventBatch(0.0, (BlockRemoved((4,)),)))
+    assert not t.holds(want[3]) and t.holds(want[2])
+    # two engine blocks naming the same router block: held until both are gone
+    t.apply(EventBatch(0.0, (stored([9], None, TOKENS[:16]),)))
+    t.apply(EventBatch(0.0, (BlockRemoved((1,)),)))
+    assert t.holds(want[0])
+    t.apply(EventBatch(0.0, (AllBlocksCleared(),)))
+    assert not any(t.holds(h) for h in want)

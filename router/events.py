@@ -1,0 +1,436 @@
+"""The KV-event subscriber: engines' ZMQ event streams → the shared prefix index.
+
+One :class:`EventSubscriber` follows many engines. Each :class:`EventSource` (one per
+replica) names a ZMQ ``endpoint``, an optional ``replay_endpoint`` and a ``topic``:
+
+* connect mode (default): the engine binds its PUB socket (``tcp://*:5557`` on the engine)
+  and the router connects a SUB socket to it (``tcp://engine-host:5557``);
+* bind mode (``bind=True``, or an endpoint whose host is ``*`` / ``::``): the router binds one
+  SUB socket and every engine connects its PUB to it (vLLM connects when its endpoint has
+  no wildcard); sources sharing an endpoint share the socket and are told apart by topic.
+
+Per replica, messages go through a bounded queue to one worker task that keeps the order:
+
+* sequence numbers: the first message (router start) clears the replica and replays from
+  seq 0 to rebuild what the engine still has in its replay buffer; a gap replays the
+  missing range from the engine's ROUTER socket (``[b"", start_seq]`` out, ``[b"", seq,
+  payload]`` frames back, then seq -1); if replay is unavailable or incomplete the
+  replica is cleared and tracking resumes from the current message; a sequence number
+  going backwards (outside a replay's overlap) is an engine restart: clear and resume;
+* events are turned into index writes by the pure :class:`~router.core.kv_tracker.ReplicaTracker`
+  (re-hashing stored blocks with the router's own chain) and applied to the index with
+  ``record`` / ``remove`` / ``clear`` — all idempotent, so several consumers may run;
+* a payload that cannot be decoded is logged (rate-limited) and counted, never fatal.
+
+``reset_replica`` (health flap) and ``remove_replica`` (replica left the pool) clear the
+replica at once; the index's ``clear`` is O(1) (per-replica generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from backends.kv_events import (
+    END_SEQ,
+    BlockStored,
+    EventBatch,
+    KVEventDecodeError,
+    decode_payload,
+    decode_seq,
+    encode_seq,
+)
+from router.core.kv_tracker import ReplicaTracker, SeqTracker
+
+log = logging.getLogger("kvrouter.events")
+
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class EventIndex(Protocol):
+    """The index writes the subscriber needs (a subset of ``router.index.base.IndexBackend``)."""
+
+    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None: ...
+
+    async def remove(self, replica: str, hashes: Sequence[int]) -> None: ...
+
+    async def clear(self, replica: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where one replica's engine publishes its KV events."""
+
+    replica: str
+    model: str
+    block_size: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    bind: bool | None = None  # None: bind when the endpoint's host is a wildcard
+
+    @property
+    def binds(self) -> bool:
+        if self.bind is not None:
+            return self.bind
+        return "*" in self.endpoint or "::" in self.endpoint
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    decode_errors: int = 0
+    clears: int = 0
+    duplicates: int = 0
+    index_errors: int = 0
+    last_seq: int | None = None
+
+
+@dataclass(slots=True)
+class _Replica:
+    source: EventSource
+    tracker: ReplicaTracker
+    queue: asyncio.Queue[tuple[int, bytes]]
+    seq: SeqTracker = field(default_factory=SeqTracker)
+    stats: ReplicaStats = field(default_factory=ReplicaStats)
+    replayed: tuple[int, int] = (1, 0)  # seq range the last replay delivered (empty)
+    last_payload: bytes | None = None  # bytes of the last batch applied (engine identity check)
+    suspect: bool = False  # the connection dropped: verify the engine before continuing
+    removed: bool = False
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def c(name: str, doc: str, labels: Sequence[str] = ("replica",)) -> Counter:
+            return Counter(name, doc, list(labels), registry=registry)
+
+        self.events = c("kvrouter_kv_events_received", "Engine KV events received", ("replica", "type"))
+        self.batches = c("kvrouter_kv_event_batches_received", "Engine KV event batches (ZMQ messages) received")
+        self.gaps = c("kvrouter_kv_event_gaps", "Sequence gaps detected in an engine's event stream")
+        self.replays = c("kvrouter_kv_event_replays", "Replays requested from an engine, by result",
+                         ("replica", "result"))
+        self.decode_errors = c("kvrouter_kv_event_decode_errors", "Event messages that could not be decoded")
+        self.clears = c("kvrouter_kv_event_clears", "Replica entries cleared, by reason", ("replica", "reason"))
+        self.index_errors = c("kvrouter_kv_event_index_errors", "Index writes from events that failed")
+        self.lag = Histogram("kvrouter_kv_event_lag_seconds",
+                             "Engine storing a block (batch timestamp) to the index knowing it",
+                             buckets=LAG_BUCKETS, registry=registry)
+
+
+class EventSubscriber:
+    """Follows the KV events of many engines and writes them to ``index``."""
+
+    def __init__(self, sources: Iterable[EventSource], index: EventIndex, *,
+                 registry: CollectorRegistry | None = None, replay_timeout_s: float = 2.0,
+                 queue_size: int = 10_000, clock: Callable[[], float] = time.time,
+                 mediums: Sequence[str] = ("GPU", "gpu")) -> None:
+        self.index = index
+        self.replay_timeout_s = replay_timeout_s
+        self.clock = clock
+        self.metrics = _Metrics(registry or CollectorRegistry())
+        self._replicas: dict[str, _Replica] = {}
+        for s in sources:
+            if s.replica in self._replicas:
+                raise ValueError(f"two event sources for replica {s.replica!r}")
+            self._replicas[s.replica] = _Replica(
+                s, ReplicaTracker(s.replica, s.model, s.block_size, mediums=mediums),
+                asyncio.Queue(queue_size))
+        self._groups = self._group_sockets()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self._last_log = 0.0
+
+    def _group_sockets(self) -> dict[tuple[str, bool], list[_Replica]]:
+        groups: dict[tuple[str, bool], list[_Replica]] = {}
+        for r in self._replicas.values():
+            groups.setdefault((r.source.endpoint, r.source.binds), []).append(r)
+        for (ep, _), reps in groups.items():
+            topics = [r.source.topic for r in reps]
+            if len(reps) > 1 and ("" in topics or len(set(topics)) != len(topics)):
+                raise ValueError(f"replicas sharing {ep} need distinct non-empty topics")
+        return groups
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        for (endpoint, binds), reps in self._groups.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            for r in reps:
+                sock.setsockopt(zmq.SUBSCRIBE, r.source.topic.encode())
+            if binds:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
+            self._sockets.append(sock)
+            by_topic = {r.source.topic: r for r in reps}
+            self._tasks.append(asyncio.create_task(self._receive(sock, by_topic)))
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._sockets.append(mon)
+            self._tasks.append(asyncio.create_task(self._watch(mon, reps)))
+        for r in self._replicas.values():
+            self._tasks.append(asyncio.create_task(self._work(r)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for s in reversed(self._sockets):
+            s.close(0)
+        self._sockets = []
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # -- public controls --------------------------------------------------------------
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def stats(self, replica: str) -> ReplicaStats:
+        r = self._replicas[replica]
+        r.stats.last_seq = r.seq.last
+        return r.stats
+
+    def tracker(self, replica: str) -> ReplicaTracker:
+        return self._replicas[replica].tracker
+
+    def follows(self, replica: str) -> bool:
+        """True when this subscriber tracks ``replica``'s engine events."""
+        r = self._replicas.get(replica)
+        return r is not None and not r.removed
+
+    async def reset_replica(self, replica: str, reason: str = "restart") -> None:
+        """The engine restarted or flapped: its cache is gone; clear it now, keep following."""
+        r = self._replicas.get(replica)
+        if r is not None:
+            await self._clear(r, reason)
+            r.seq = SeqTracker()
+
+    async def remove_replica(self, replica: str) -> None:
+        """The replica left the pool: clear its entries and stop following its events."""
+        r = self._replicas.get(replica)
+        if r is not None and not r.removed:
+            r.removed = True
+            await self._clear(r, "removed")
+
+    async def idle(self, timeout: float = 10.0) -> None:
+        """Wait until every queued message has been applied (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while any(r.queue.qsize() or r.queue._unfinished_tasks for r in self._replicas.values()):  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                raise TimeoutError("event queues did not drain")
+            await asyncio.sleep(0.01)
+
+    # -- receiving --------------------------------------------------------------------
+    async def _receive(self, sock: zmq.asyncio.Socket, by_topic: dict[str, _Replica]) -> None:
+        single = next(iter(by_topic.values())) if len(by_topic) == 1 else None
+        while True:
+            frames = await sock.recv_multipart()
+            topic = frames[0].decode("utf-8", "replace") if frames else ""
+            r = by_topic.get(topic)
+            if r is None and single is not None and single.source.topic == "":
+                r = single
+            if r is None:
+                continue
+            if r.removed:
+                continue
+            if len(frames) != 3:
+                self._decode_error(r, f"message with {len(frames)} frames")
+                continue
+            try:
+                seq = decode_seq(frames[1])
+            except KVEventDecodeError as exc:
+                self._decode_error(r, str(exc))
+                continue
+            await r.queue.put((seq, frames[2]))
+
+    async def _watch(self, mon: zmq.asyncio.Socket, reps: list[_Replica]) -> None:
+        """A publisher disconnected (engine died or restarted, network): the next message of
+        each replica on that socket is checked against the engine's replay buffer."""
+        while True:
+            await mon.recv_multipart()
+            for r in reps:
+                r.suspect = True
+
+    def _decode_error(self, r: _Replica, why: str) -> None:
+        r.stats.decode_errors += 1
+        self.metrics.decode_errors.labels(r.source.replica).inc()
+        now = time.monotonic()
+        if now - self._last_log > 5.0:  # at most one line per 5 s
+            self._last_log = now
+            log.warning("kv events: undecodable message from %s: %s", r.source.replica, why)
+
+    # -- per-replica worker -----------------------------------------------------------
+    async def _work(self, r: _Replica) -> None:
+        while True:
+            seq, payload = await r.queue.get()
+            try:
+                if not r.removed:
+                    await self._handle(r, seq, payload)
+            except Exception:  # never let one bad message stop the replica's stream
+                log.exception("kv events: failed to apply a message from %s", r.source.replica)
+            finally:
+                r.queue.task_done()
+
+    async def _handle(self, r: _Replica, seq: int, payload: bytes) -> None:
+        lo, hi = r.replayed
+        if lo <= seq <= hi and not r.suspect:  # already delivered by the last replay
+            r.stats.duplicates += 1
+            return
+        verdict = r.seq.check(seq)
+        if verdict == "gap":
+            r.stats.gaps += 1
+            self.metrics.gaps.labels(r.source.replica).inc()
+        if verdict in ("gap", "old") or (r.suspect and verdict == "next"):
+            # Missing batches, a sequence going backwards, or a reconnection: ask the engine
+            # to replay from the last batch applied. Same engine (that batch comes back byte
+            # for byte): the missing ones are applied. Otherwise (restart, buffer moved on,
+            # no replay socket) the replica's state is unknown: start over.
+            verdict = "next" if await self._replay(r, r.seq.last or 0, verify=r.last_payload) else "first"
+        r.suspect = False
+        if verdict == "first":
+            # First message, engine restart, or events lost for good: clear the replica,
+            # then rebuild from whatever contiguous history the engine's buffer still has
+            # (blocks whose parents predate it are skipped, never guessed).
+            await self._clear(r, "start" if r.seq.last is None else "resync")
+            r.seq = SeqTracker()
+            r.replayed = (1, 0)
+            if seq > 0:
+                await self._replay(r, 0)
+        verdict = r.seq.check(seq)
+        if verdict == "old":  # a replay delivered it
+            r.stats.duplicates += 1
+            return
+        if verdict == "gap":  # the buffer did not reach this message: start over from it
+            await self._clear(r, "gap")
+            r.seq = SeqTracker()
+        r.seq.accept(seq)
+        r.last_payload = payload
+        if seq > r.replayed[1]:
+            r.replayed = (1, 0)
+        await self._apply_payload(r, payload)
+
+    async def _apply_payload(self, r: _Replica, payload: bytes) -> None:
+        try:
+            batch = decode_payload(payload)
+        except KVEventDecodeError as exc:
+            self._decode_error(r, str(exc))
+            return
+        await self._apply(r, batch)
+
+    async def _apply(self, r: _Replica, batch: EventBatch) -> None:
+        rid = r.source.replica
+        r.stats.batches += 1
+        r.stats.events += len(batch.events)
+        self.metrics.batches.labels(rid).inc()
+        for ev in batch.events:
+            self.metrics.events.labels(rid, type(ev).__name__).inc()
+        ops = r.tracker.apply(batch)
+        try:
+            for op in ops:
+                if op.kind == "record":
+                    await self.index.record(r.source.model, op.hashes, rid)
+                elif op.kind == "remove":
+                    await self.index.remove(rid, op.hashes)
+                else:
+                    await self.index.clear(rid)
+                    r.stats.clears += 1
+                    self.metrics.clears.labels(rid, "engine").inc()
+        except Exception as exc:
+            r.stats.index_errors += 1
+            self.metrics.index_errors.labels(rid).inc()
+            log.warning("kv events: index write for %s failed: %s", rid, exc)
+            return
+        if any(isinstance(ev, BlockStored) for ev in batch.events):
+            self.metrics.lag.observe(max(0.0, self.clock() - batch.ts))
+
+    async def _clear(self, r: _Replica, reason: str) -> None:
+        r.tracker.reset()
+        r.stats.clears += 1
+        self.metrics.clears.labels(r.source.replica, reason).inc()
+        try:
+            await self.index.clear(r.source.replica)
+        except Exception as exc:
+            r.stats.index_errors += 1
+            self.metrics.index_errors.labels(r.source.replica).inc()
+            log.warning("kv events: clearing %s failed: %s", r.source.replica, exc)
+
+    # -- replay -------------------------------------------------------------------------
+    async def _replay(self, r: _Replica, start: int, *, verify: bytes | None = None) -> bool:
+        """Apply the engine's buffered batches from ``start`` on, while they follow on.
+
+        With ``verify``: the first batch must be ``start`` (the last one applied) with
+        exactly these bytes, else nothing is applied and False is returned. Without it, the
+        replica was just cleared and any contiguous run of batches is history worth
+        applying. True when the replay ran to its end marker."""
+        ep = r.source.replay_endpoint
+        rid = r.source.replica
+        if not ep or self._ctx is None:
+            self.metrics.replays.labels(rid, "unavailable").inc()
+            return False
+        r.stats.replays += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        first: int | None = None
+        result = "ok"
+        try:
+            sock.connect(ep)
+            await sock.send_multipart([b"", encode_seq(start)])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if not frames:
+                    continue
+                seq = decode_seq(frames[0])
+                if seq == END_SEQ:
+                    if verify is not None:
+                        result = "mismatch"  # the engine no longer has our last batch
+                    break
+                body = frames[1] if len(frames) > 1 else b""
+                if verify is not None:
+                    if seq != start or body != verify:
+                        result = "mismatch"
+                        break
+                    verify = None
+                    continue
+                last = r.seq.last
+                if last is not None and seq <= last:
+                    continue
+                if last is not None and seq != last + 1:
+                    result = "incomplete"  # a hole: stop, the caller starts over
+                    break
+                r.seq.accept(seq)
+                r.last_payload = body
+                first = seq if first is None else first
+                await self._apply_payload(r, body)
+        except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
+            result = "failed"
+            log.warning("kv events: replay from %s failed: %s", rid, exc)
+        finally:
+            sock.close(0)
+        if first is not None and r.seq.last is not None:
+            # Live messages up to here may arrive again on the SUB socket: skip them.
+            r.replayed = (first, r.seq.last)
+        if result != "ok":
+            r.stats.replay_failures += 1
+        self.metrics.replays.labels(rid, result).inc()
+        return result == "ok"

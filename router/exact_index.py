@@ -1,0 +1,109 @@
+"""Exact and approximate tracking together: the index as the router's request path sees it.
+
+When some replicas publish KV events, the router wraps its index in :class:`ExactAwareIndex`
+(``ExactAwareIndex(index, subscriber)``) and keeps recording its own routing decisions
+through it. Approximate entries bridge the time until the engine's event arrives; for a
+replica whose events are followed, each approximate record is checked ``approx_ttl_s``
+later and the blocks no engine event confirmed are removed. Events always win:
+``BlockRemoved`` / ``AllBlocksCleared`` delete entries whatever wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from router.events import EventSubscriber
+
+log = logging.getLogger("kvrouter.events")
+
+
+class ExactAwareIndex:
+    """The router's index as the request path sees it when some replicas publish events.
+
+    Exact and approximate together: the router keeps recording its own routing decisions
+    (approximate entries bridge the time until the engine's event arrives), and for a
+    replica whose events are followed each such record is checked ``approx_ttl_s`` later:
+    blocks no engine event confirmed by then (the request never reached prefill, the engine
+    tokenizes differently, ...) are removed. Events always win: ``BlockRemoved`` and
+    ``AllBlocksCleared`` delete entries whatever wrote them. Everything else is delegated.
+    """
+
+    def __init__(self, inner: Any, subscriber: EventSubscriber, *, approx_ttl_s: float = 30.0,
+                 sweep_interval_s: float = 1.0, max_pending: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.subscriber = subscriber
+        self.approx_ttl_s = approx_ttl_s
+        self.sweep_interval_s = sweep_interval_s
+        self.clock = clock
+        self.expired_blocks = 0  # approximate blocks removed for want of confirmation
+        self._pending: deque[tuple[float, str, tuple[int, ...]]] = deque(maxlen=max_pending)
+        self._task: asyncio.Task[None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def start(self) -> None:
+        await self.inner.start()
+        if self._task is None:
+            self._task = asyncio.create_task(self._sweeper())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        await self.inner.close()
+
+    async def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        return await self.inner.lookup(model, hashes)
+
+    def _note(self, hashes: Sequence[int], replica: str) -> None:
+        if hashes and self.subscriber.follows(replica):
+            self._pending.append((self.clock() + self.approx_ttl_s, replica, tuple(hashes)))
+
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
+        self.inner.record_nowait(model, hashes, replica)
+        self._note(hashes, replica)
+
+    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None:
+        await self.inner.record(model, hashes, replica)
+        self._note(hashes, replica)
+
+    async def remove(self, replica: str, hashes: Sequence[int]) -> None:
+        await self.inner.remove(replica, hashes)
+
+    async def clear(self, replica: str) -> None:
+        await self.inner.clear(replica)
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Remove approximate blocks whose confirmation window ended unconfirmed."""
+        now = self.clock() if now is None else now
+        removed = 0
+        pend = self._pending
+        while pend and pend[0][0] <= now:
+            _, replica, hashes = pend.popleft()
+            if not self.subscriber.follows(replica):
+                continue
+            tracker = self.subscriber.tracker(replica)
+            stale = [h for h in hashes if not tracker.holds(h)]
+            if stale:
+                await self.inner.remove(replica, stale)
+                removed += len(stale)
+        self.expired_blocks += removed
+        return removed
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception as exc:
+                log.warning("kv events: approximate-entry sweep failed: %s", exc)
