@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from router.config import Config, ConfigError, check_policy, load_config
 
@@ -76,7 +77,8 @@ def with_cli_replicas(cfg: Config, specs: list[str]) -> Config:
     return Config.from_dict(data)
 
 
-def run_router(cfg: Config) -> int:
+def run_router(cfg: Config, banner: Callable[[str], str] | None = None) -> int:
+    """Serve ``cfg`` until SIGINT/SIGTERM; prints ``banner(url)`` (or the URL) once listening."""
     from router.logs import setup_logging
     from router.server import Server, run, serve_forever
 
@@ -85,7 +87,7 @@ def run_router(cfg: Config) -> int:
     def ready(server: Server) -> None:
         logger.info("kvrouter listening on %s (policy %s, %d replicas)", server.url, cfg.policy.name,
                     len(cfg.replicas))
-        print(f"kvrouter listening on {server.url}", flush=True)
+        print(banner(server.url) if banner else f"kvrouter listening on {server.url}", flush=True)
 
     try:
         run(lambda: serve_forever(cfg, on_ready=ready))

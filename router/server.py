@@ -142,17 +142,19 @@ class RouterState:
 STATE = web.AppKey("kvrouter", RouterState)
 
 
-def _err(status: int, message: str, type_: str, code: str, rid: str | None = None,
-         param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
-    h = dict(headers or {})
-    if rid:
-        h["x-request-id"] = rid
-    return error_response(status, message, type_, code, headers=h, param=param)
+def _err(status: int, message: str, type_: str, code: str, param: str | None = None,
+         headers: dict[str, str] | None = None) -> web.Response:
+    return error_response(status, message, type_, code, headers=headers, param=param)
 
 
-def _unauthorized(rid: str | None = None) -> web.Response:
+def _with_rid(resp: web.Response, st: RouterState, rid: str) -> web.Response:
+    resp.headers[st.rid_header] = rid
+    return resp
+
+
+def _unauthorized() -> web.Response:
     return _err(401, "Invalid or missing API key (Authorization: Bearer KEY)", "invalid_request_error",
-                "invalid_api_key", rid, headers={"WWW-Authenticate": "Bearer"})
+                "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 # ---------------------------------------------------------------------- handlers
@@ -168,11 +170,12 @@ async def handle_proxy(request: web.Request) -> web.StreamResponse:
     status = 0
     if not st.client_ok(request):
         st.metrics.reject("unauthorized")
-        return _unauthorized(rid)
+        return _with_rid(_unauthorized(), st, rid)
     if st.active >= st.max_concurrent:
         st.metrics.reject("concurrency")
-        return _err(429, f"Too many concurrent requests (limits.max_concurrent={st.max_concurrent})",
-                    "rate_limit_error", "too_many_requests", rid, headers={"Retry-After": st.retry_after})
+        return _with_rid(_err(429, f"Too many concurrent requests (limits.max_concurrent={st.max_concurrent})",
+                              "rate_limit_error", "too_many_requests", headers={"Retry-After": st.retry_after}),
+                         st, rid)
     st.active += 1
     try:
         resp = await _proxy_request(request, st, rid, t0)
@@ -183,7 +186,7 @@ async def handle_proxy(request: web.Request) -> web.StreamResponse:
             status = ctx.status or out.status
             return out
         status = resp.status
-        return resp
+        return _with_rid(resp, st, rid)
     except asyncio.CancelledError:
         status = 499  # the client went away; the upstream request is closed by the proxy
         raise
@@ -208,36 +211,36 @@ async def _proxy_request(request: web.Request, st: RouterState, rid: str,
     if cl is not None and cl > st.max_body:
         st.metrics.reject("body_too_large")
         return _err(413, f"Request body too large (limit {st.max_body} bytes)", "invalid_request_error",
-                    "body_too_large", rid)
+                    "body_too_large")
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         st.metrics.reject("body_too_large")
         return _err(413, f"Request body too large (limit {st.max_body} bytes)", "invalid_request_error",
-                    "body_too_large", rid)
+                    "body_too_large")
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         st.metrics.reject("invalid_json")
-        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json", rid)
+        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
     if not isinstance(parsed, dict):
         st.metrics.reject("invalid_json")
-        return _err(400, "Request body must be a JSON object", "invalid_request_error", "invalid_json", rid)
+        return _err(400, "Request body must be a JSON object", "invalid_request_error", "invalid_json")
     model = parsed.get("model")
     if model is None:
         if len(st.configured_models) != 1:
             st.metrics.reject("missing_model")
-            return _err(400, "The 'model' field is required", "invalid_request_error", "missing_model", rid,
+            return _err(400, "The 'model' field is required", "invalid_request_error", "missing_model",
                         param="model")
         model = st.configured_models[0]
     elif not isinstance(model, str):
         st.metrics.reject("invalid_model")
-        return _err(400, "The 'model' field must be a string", "invalid_request_error", "invalid_model", rid,
+        return _err(400, "The 'model' field must be a string", "invalid_request_error", "invalid_model",
                     param="model")
     if not st.pool.has_model(model):
         st.metrics.reject("model_not_found")
         return _err(404, f"The model `{model}` does not exist", "invalid_request_error", "model_not_found",
-                    rid, param="model")
+                    param="model")
     session_key = request.headers.get(st.session_header)
     if session_key is None:
         user = parsed.get("user")
