@@ -65,12 +65,23 @@ class IndexConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaKVEvents:
+    """Where the replica's engine publishes KV events (see docs/kv-events.md)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    bind: bool | None = None  # None: bind when the endpoint's host is * or ::
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     id: str
     url: str
     models: tuple[str, ...]
     api_key: str | None = None
     capacity_blocks: int | None = None
+    kv_events: ReplicaKVEvents | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +352,22 @@ def _str(optional: bool = False, choices: Sequence[str] = (), nonempty: bool = T
     return f
 
 
+def _kv_events(v: Any, key: str) -> ReplicaKVEvents | None:
+    if v is None:
+        return None
+    d = _mapping(v, key)
+    if "endpoint" not in d:
+        raise ConfigError(f"{key}.endpoint", "required (e.g. tcp://engine-host:5557)")
+    ev = _section(ReplicaKVEvents, d, key, {
+        "endpoint": _str(), "replay_endpoint": _str(optional=True), "topic": _str(nonempty=False),
+        "bind": lambda b, k: None if b is None else _bool(b, k)})
+    for name in ("endpoint", "replay_endpoint"):
+        ep = getattr(ev, name)
+        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"{key}.{name}", "must be a ZMQ endpoint (tcp://, ipc:// or inproc://)")
+    return ev
+
+
 def _str_list(v: Any, key: str) -> tuple[str, ...]:
     if isinstance(v, str):
         v = [s.strip() for s in v.split(",") if s.strip()]
@@ -406,7 +433,8 @@ def _build_config(d: Mapping[str, Any]) -> Config:
         rep = _section(ReplicaConfig, r, key, {
             "id": lambda v, k: _str()(str(v) if isinstance(v, int) else v, k),
             "url": _http_url, "models": _str_list,
-            "api_key": _str(optional=True), "capacity_blocks": _int(1, optional=True)})
+            "api_key": _str(optional=True), "capacity_blocks": _int(1, optional=True),
+            "kv_events": _kv_events})
         if not rep.models:
             raise ConfigError(f"{key}.models", "must list at least one model")
         if rep.id in seen_ids:
