@@ -18,7 +18,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.events import EventSubscriber
+from prometheus_client import CollectorRegistry
+
+from router.config import Config
+from router.events import EventSource, EventSubscriber
 
 log = logging.getLogger("kvrouter.events")
 
@@ -50,7 +53,9 @@ class ExactAwareIndex:
         return getattr(self.inner, name)
 
     async def start(self) -> None:
+        """Starts the inner index, the subscriber and the confirmation sweep."""
         await self.inner.start()
+        await self.subscriber.start()
         if self._task is None:
             self._task = asyncio.create_task(self._sweeper())
 
@@ -60,6 +65,7 @@ class ExactAwareIndex:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+        await self.subscriber.close()
         await self.inner.close()
 
     async def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
@@ -81,7 +87,11 @@ class ExactAwareIndex:
         await self.inner.remove(replica, hashes)
 
     async def clear(self, replica: str) -> None:
+        """The router dropped the replica (ejected, left the pool): clear it, and make the
+        subscriber start over for it (its next event triggers a clear and a full replay)."""
         await self.inner.clear(replica)
+        if self.subscriber.follows(replica):
+            await self.subscriber.reset_replica(replica, "router")
 
     async def sweep(self, now: float | None = None) -> int:
         """Remove approximate blocks whose confirmation window ended unconfirmed."""
@@ -107,3 +117,28 @@ class ExactAwareIndex:
                 await self.sweep()
             except Exception as exc:
                 log.warning("kv events: approximate-entry sweep failed: %s", exc)
+
+
+def event_sources(config: Config) -> list[EventSource]:
+    """One source per replica with ``kv_events`` (model: its first; block size: that model's)."""
+    out = []
+    for rep in config.replicas:
+        ev = rep.kv_events
+        if ev is None:
+            continue
+        model = rep.models[0]
+        out.append(EventSource(rep.id, model, config.model(model).block_size, ev.endpoint,
+                               ev.replay_endpoint, ev.topic, ev.bind))
+    return out
+
+
+def attach_events(config: Config, index: Any, registry: CollectorRegistry | None = None, *,
+                  approx_ttl_s: float = 30.0) -> tuple[Any, EventSubscriber | None]:
+    """``(index_for_the_router, subscriber)``: when some replica has ``kv_events``, the
+    router's index wrapped in :class:`ExactAwareIndex` (its ``start``/``close`` run the
+    subscriber too) and the subscriber writing into ``index``; else ``(index, None)``."""
+    sources = event_sources(config)
+    if not sources:
+        return index, None
+    sub = EventSubscriber(sources, index, registry=registry)
+    return ExactAwareIndex(index, sub, approx_ttl_s=approx_ttl_s), sub
