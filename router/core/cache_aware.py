@@ -3,13 +3,17 @@
 For each eligible replica ``r`` with ``m_r`` matched tokens (from the prefix index) out of
 the prompt's ``n`` tokens, load ``L_r`` (:attr:`ReplicaState.load`) and KV usage ``k_r``::
 
-    bound   = ceil(c × (ΣL + 1) / N)              # consistent hashing with bounded loads
+    bound   = ceil(c × (ΣL + 1) / N) + slack      # consistent hashing with bounded loads
     allowed = {r : L_r < bound}                   # never empty: the least loaded fits
     score_r = hit_weight × m_r/n − load_weight × L_r/bound − kv_weight × k_r
 
 The pick is the allowed replica with the highest score. A prefix every request shares (a
 hot system prompt) therefore fills its replica only up to ``c`` × the mean load, then
-spills to the next best. Requests that match nowhere go to the least-loaded allowed
+spills to the next best. ``slack`` (default 1 request) keeps the bound from being
+tighter than one extra request at low load — without it, with 4 replicas and a single
+request in flight (or a scraped engine count one interval stale) the bound is 1 and every
+repeat of a prefix would be pushed off its replica; ``load_slack: 0`` gives the strict
+bound. Requests that match nowhere go to the least-loaded allowed
 replica; ties are broken by rendezvous hashing on the prompt's first block hash (spreads
 distinct prompts, and two routers send the same new prompt to the same replica), or by the
 ``rng`` when there is no prompt hash.
@@ -18,7 +22,8 @@ Reasons: ``prefix_hit`` (the pick holds the longest match), ``load_guard`` (the 
 match sits on a replica above the bound), ``load`` (a better-matching replica lost on load
 weight), ``cold`` (no match anywhere), ``no_prefix`` (the prompt could not be hashed).
 
-Options (``policy.options``): ``balance_factor`` (c, default 1.25), ``hit_weight`` (1.0),
+Options (``policy.options``): ``balance_factor`` (c, default 1.25), ``load_slack`` (1),
+``hit_weight`` (1.0),
 ``load_weight`` (0.5), ``kv_weight`` (0.2), ``min_match_blocks`` (1: fewer matched blocks
 count as no match). Pure.
 """
@@ -47,10 +52,11 @@ def _float_opt(options: Mapping[str, Any], key: str, default: float, minimum: fl
     return f
 
 
-def load_bound(replicas: Sequence[ReplicaState], c: float) -> float:
-    """The bounded-load ceiling: ``ceil(c × (total load + 1) / N)`` (at least 1)."""
+def load_bound(replicas: Sequence[ReplicaState], c: float, slack: float = 1.0) -> float:
+    """The bounded-load ceiling: ``ceil(c × (total load + 1) / N) + slack`` (at least 1);
+    a replica may take a request while its load is below it."""
     total = sum(r.load for r in replicas)
-    return max(1.0, math.ceil(c * (total + 1.0) / len(replicas) - 1e-9))
+    return max(1.0, math.ceil(c * (total + 1.0) / len(replicas) - 1e-9) + slack)
 
 
 def spread_pick(cands: Sequence[ReplicaState], key: int | None, rng: random.Random) -> ReplicaState:
@@ -72,6 +78,7 @@ class CacheAware(BasePolicy):
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         o = dict(options or {})
         self.c = _float_opt(o, "balance_factor", 1.25, 1.0)
+        self.slack = _float_opt(o, "load_slack", 1.0)
         self.hit_weight = _float_opt(o, "hit_weight", 1.0)
         self.load_weight = _float_opt(o, "load_weight", 0.5)
         self.kv_weight = _float_opt(o, "kv_weight", 0.2)
@@ -80,7 +87,7 @@ class CacheAware(BasePolicy):
     def choose(self, req: RoutingRequest, replicas: Sequence[ReplicaState],
                matches: Mapping[str, int], rng: random.Random) -> Decision:
         cands = eligible(req, replicas)
-        bound = load_bound(cands, self.c)
+        bound = load_bound(cands, self.c, self.slack)
         allowed = [r for r in cands if r.load < bound] or cands
         key = req.hashes[0] if req.hashes else None
         bs = req.block_size

@@ -3,13 +3,14 @@
 ``RoutingRequest.session_key`` (set by the router from the header named by
 ``policy.options.session_header``, default ``x-session-id``, else the body's ``user``) is
 hashed onto a ring of ``vnodes`` virtual nodes per eligible replica; the request goes to the
-first replica clockwise whose load is below ``ceil(c × (total load + 1) / N)``
+first replica clockwise whose load is below ``ceil(c × (total load + 1) / N) + slack``
 (Mirrokni et al., "Consistent Hashing with Bounded Loads"). A session stays on its replica
 (and its KV cache) until that replica is over the bound or leaves the pool; only the
 sessions of a departed replica move. Requests without a key go to the least-loaded replica.
 
 Reasons: ``session`` (home replica), ``load_guard`` (home over the bound: next on the
-ring), ``no_session``. Options: ``balance_factor`` (c, 1.25), ``vnodes`` (64). Pure; the
+ring), ``no_session``. Options: ``balance_factor`` (c, 1.25), ``load_slack`` (1; see
+:mod:`router.core.cache_aware`), ``vnodes`` (64). Pure; the
 ring is rebuilt only when the set of eligible replicas changes.
 """
 
@@ -36,6 +37,7 @@ class SessionAffinity(BasePolicy):
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         o = dict(options or {})
         self.c = _float_opt(o, "balance_factor", 1.25, 1.0)
+        self.slack = _float_opt(o, "load_slack", 1.0)
         self.vnodes = int(_float_opt(o, "vnodes", 64, 1))
         self._ring_ids: tuple[str, ...] = ()
         self._points: list[int] = []
@@ -53,7 +55,7 @@ class SessionAffinity(BasePolicy):
     def choose(self, req: RoutingRequest, replicas: Sequence[ReplicaState],
                matches: Mapping[str, int], rng: random.Random) -> Decision:
         cands = eligible(req, replicas)
-        bound = load_bound(cands, self.c)
+        bound = load_bound(cands, self.c, self.slack)
         scores = {r.id: -r.load / bound for r in cands}
         if not req.session_key:
             lo = min(r.load for r in cands)

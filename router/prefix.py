@@ -1,0 +1,225 @@
+"""The prefix service: tokenize → hash → index lookup / record, for the router's request path.
+
+Implements the ``PrefixService`` protocol the proxy calls (see ``router/proxy.py``):
+
+* ``annotate(path, body, req)``: the prompt of a ``/v1/completions`` body or the messages
+  of a ``/v1/chat/completions`` body → token ids with the model's tokenizer
+  (:mod:`router.tokenize`; ``models.<name>.tokenizer``), → chained block hashes
+  (``models.<name>.block_size``, seeded by model and the body's ``cache_salt``). Sets
+  ``req.hashes``, ``req.num_tokens``, ``req.block_size``; never raises for client content.
+* ``lookup(req)``: replica → matched blocks from the index (``{}`` when it is down).
+* ``record(req, replica)``: queues the placement (non-blocking; Redis writes are batched).
+* ``observe(req, decision, cached_tokens)``: predicted vs engine-measured cached tokens.
+* ``replica_removed(replica)``: clears the replica's entries.
+
+The index is ``index.backend`` (``memory`` | ``redis``) from the config; per-replica
+capacities come from ``replicas[].capacity_blocks`` (else ``index.capacity_blocks``).
+Metrics (on the router's registry) are listed in ``docs/routing.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.config import Config
+from router.core.hashing import block_hashes, seed_hash
+from router.core.types import Decision, RoutingRequest
+from router.index.base import IndexEvents
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex
+from router.tokenize import BackendTokenizer, ModelTokenizer, load_tokenizer
+
+log = logging.getLogger("kvrouter.prefix")
+
+_TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class PrefixMetrics(IndexEvents):
+    """The prefix service's Prometheus metrics; also receives the index's events."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.prompt_tokens = Counter("kvrouter_prefix_prompt_tokens", "Prompt tokens seen by the prefix "
+                                     "service", ["model"], registry=registry)
+        self.predicted = Counter("kvrouter_prefix_predicted_hit_tokens", "Prompt tokens the index predicted "
+                                 "cached on the chosen replica", ["model"], registry=registry)
+        self.measured = Counter("kvrouter_prefix_measured_hit_tokens", "Cached prompt tokens reported by the "
+                                "engine (usage.prompt_tokens_details.cached_tokens)", ["model"],
+                                registry=registry)
+        self.observed = Counter("kvrouter_prefix_observed_requests", "Requests whose engine reported "
+                                "cached_tokens", ["model"], registry=registry)
+        self.predicted_hist = Histogram("kvrouter_prefix_predicted_tokens", "Predicted cached tokens per "
+                                        "request", ["model"], buckets=_TOKEN_BUCKETS, registry=registry)
+        self.measured_hist = Histogram("kvrouter_prefix_measured_tokens", "Engine-measured cached tokens "
+                                       "per request", ["model"], buckets=_TOKEN_BUCKETS, registry=registry)
+        self.unreadable = Counter("kvrouter_prefix_unreadable_prompts", "Prompts the router could not "
+                                  "tokenize (routed on load alone)", ["model"], registry=registry)
+        self.index_up = Gauge("kvrouter_index_up", "1 when the prefix index is reachable", registry=registry)
+        self.index_errors = Counter("kvrouter_index_errors", "Index operations that failed or were dropped",
+                                    ["op"], registry=registry)
+        self.index_up.set(1)
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def child(self, metric: Any, model: str) -> Any:
+        key = (id(metric), model)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(model)
+        return c
+
+    def availability(self, up: bool) -> None:
+        self.index_up.set(1 if up else 0)
+
+    def error(self, op: str) -> None:
+        self.index_errors.labels(op).inc()
+
+
+class _Model:
+    __slots__ = ("name", "block_size", "tok", "backend", "seed")
+
+    def __init__(self, name: str, block_size: int, tok: ModelTokenizer | None,
+                 backend: BackendTokenizer | None) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.tok = tok
+        self.backend = backend
+        self.seed = seed_hash(name)
+
+
+def build_index(config: Config, events: IndexEvents | None = None) -> MemoryIndex | RedisIndex:
+    """The index named by ``index.backend``, with per-replica capacities from the config."""
+    ic = config.index
+    caps = {r.id: r.capacity_blocks for r in config.replicas if r.capacity_blocks}
+    if ic.backend == "redis":
+        assert ic.url
+        return RedisIndex(ic.url, namespace=ic.namespace, ttl_s=ic.ttl_s, default_capacity=ic.capacity_blocks,
+                          capacities=caps, events=events)
+    return MemoryIndex(ic.capacity_blocks, caps, ttl_s=ic.ttl_s)
+
+
+class PrefixService:
+    """Tokenization, hashing and the index for the proxy (see module docstring)."""
+
+    def __init__(self, config: Config, registry: CollectorRegistry, index: Any = None) -> None:
+        self.config = config
+        self.metrics = PrefixMetrics(registry)
+        self.index = index if index is not None else build_index(config, self.metrics)
+        self._models: dict[str, _Model] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        for name in self.config.model_names():
+            self.model(name)  # load tokenizers now: a bad path fails at startup, not per request
+        await self.index.start()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            await asyncio.gather(t, return_exceptions=True)
+        for m in self._models.values():
+            if m.backend is not None:
+                await m.backend.close()
+        await self.index.close()
+
+    def model(self, name: str) -> _Model:
+        m = self._models.get(name)
+        if m is None:
+            mc = self.config.model(name)
+            tok = load_tokenizer(mc.tokenizer)
+            backend = None
+            if tok is None:
+                reps = [r for r in self.config.replicas if name in r.models]
+                backend = BackendTokenizer([r.url for r in reps], reps[0].api_key if reps else None)
+            m = self._models[name] = _Model(name, mc.block_size, tok, backend)
+        return m
+
+    # -- request path -----------------------------------------------------------------
+    async def annotate(self, path: str, body: Mapping[str, Any], req: RoutingRequest) -> None:
+        try:
+            m = self.model(req.model)
+            req.block_size = m.block_size
+            chat = path.startswith("/v1/chat/completions")
+            if not chat and not path.startswith("/v1/completions"):
+                return
+            ids = await self._ids(m, chat, body)
+            if not ids:
+                self.metrics.child(self.metrics.unreadable, req.model).inc()
+                return
+            salt = body.get("cache_salt")
+            seed = seed_hash(req.model, None, salt) if isinstance(salt, str) and salt else m.seed
+            req.num_tokens = len(ids)
+            req.hashes = block_hashes(ids, m.block_size, seed)
+        except Exception as exc:  # client content must never fail the request
+            log.debug("prefix: cannot read prompt of %s: %s", req.request_id, exc)
+            self.metrics.child(self.metrics.unreadable, req.model).inc()
+
+    async def _ids(self, m: _Model, chat: bool, body: Mapping[str, Any]) -> list[int] | None:
+        add_gen = body.get("add_generation_prompt", True)
+        add_gen = add_gen if isinstance(add_gen, bool) else True
+        if m.tok is not None:
+            if chat:
+                extra = body.get("chat_template_kwargs")
+                extra = dict(extra) if isinstance(extra, Mapping) else {}
+                if isinstance(body.get("tools"), list):
+                    extra.setdefault("tools", body["tools"])
+                return m.tok.chat_ids(body.get("messages"), add_gen, extra)
+            return m.tok.prompt_ids(body.get("prompt"))
+        assert m.backend is not None
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                return None
+            return await m.backend.tokens({"model": m.name, "messages": msgs, "add_generation_prompt": add_gen})
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        if not isinstance(prompt, str) or not prompt:
+            return None
+        return await m.backend.tokens({"model": m.name, "prompt": prompt})
+
+    async def lookup(self, req: RoutingRequest) -> dict[str, int]:
+        if not req.hashes:
+            return {}
+        try:
+            return await self.index.lookup(req.model, req.hashes)
+        except Exception as exc:  # the index adapters do not raise; belt and braces
+            self.metrics.error("lookup")
+            log.debug("prefix: lookup failed: %s", exc)
+            return {}
+
+    def record(self, req: RoutingRequest, replica: str) -> None:
+        if req.hashes:
+            self.index.record_nowait(req.model, req.hashes, replica)
+
+    def observe(self, req: RoutingRequest, decision: Decision, cached_tokens: int | None) -> None:
+        if not req.num_tokens:
+            return
+        mt = self.metrics
+        model = req.model
+        predicted = min(decision.matched_tokens, req.num_tokens)
+        mt.child(mt.prompt_tokens, model).inc(req.num_tokens)
+        mt.child(mt.predicted, model).inc(predicted)
+        mt.child(mt.predicted_hist, model).observe(predicted)
+        if cached_tokens is not None:
+            mt.child(mt.observed, model).inc()
+            mt.child(mt.measured, model).inc(cached_tokens)
+            mt.child(mt.measured_hist, model).observe(cached_tokens)
+
+    def replica_removed(self, replica: str) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(self.index.clear(replica))
+        except RuntimeError:
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def build_prefix_service(config: Config, registry: CollectorRegistry) -> PrefixService:
+    """The router's prefix service (called by ``router.server`` when the policy needs it)."""
+    return PrefixService(config, registry)
