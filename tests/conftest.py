@@ -23,3 +23,6 @@ async def redis_url(redis_server):
     await client.flushall()
     await client.aclose()
     return redis_server.url
+
+
+from tests.support.sim import sim_factory, sim_factory_module  # noqa: E402,F401  (kvrouter sim fixtures)
