@@ -59,7 +59,7 @@ class SimServer:
 
     def __init__(self, engine: EngineModel, tok: SimTokenizer, *, served: tuple[str, ...],
                  time_scale: float = 1.0, root: str = "", info: dict[str, Any] | None = None,
-                 default_max_tokens: int = 0) -> None:
+                 default_max_tokens: int = 0, kv_publisher: Any = None) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.engine = engine
@@ -69,6 +69,7 @@ class SimServer:
         self.root = root or served[0]
         self.info = dict(info or {})
         self.default_max_tokens = default_max_tokens
+        self.kv_publisher = kv_publisher  # backends.sim.kv_publisher.KVEventPublisher or None
         cfg = engine.config
         self.metrics = SimMetrics(served[0], {
             "block_size": cfg.block_size, "num_gpu_blocks": cfg.num_blocks,
@@ -124,6 +125,8 @@ class SimServer:
                     self._anchor = (time.monotonic(), res.end)
             self.sim_now = res.end
             self._deliver(res)
+            if self.kv_publisher is not None:
+                await self._publish_kv()
             t = time.monotonic()
             if t - last_yield > YIELD_EVERY_S:
                 await asyncio.sleep(0)
@@ -136,7 +139,17 @@ class SimServer:
             if w is not None:
                 w.event.set()
 
+    async def _publish_kv(self) -> None:
+        """Send the KV-cache events recorded since the last call as one batch (as vLLM does per step)."""
+        from backends.sim.kv_publisher import convert
+
+        events = self.engine.drain_kv_events()
+        if events:
+            await self.kv_publisher.publish(convert(events))
+
     async def _on_startup(self, app: web.Application) -> None:
+        if self.kv_publisher is not None:
+            await self.kv_publisher.start()
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._drive())
 
@@ -145,6 +158,8 @@ class SimServer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
 
     # -- app ---------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -221,7 +236,12 @@ class SimServer:
         self._wake.set()
         try:
             if g.stream:
-                return await self._stream(request, g, rid, reqs, waiter)
+                resp = web.StreamResponse(headers=SSE_HEADERS)
+                try:
+                    await self._stream(request, resp, g, rid, reqs, waiter)
+                except ConnectionResetError:  # the client went away: cancelled below
+                    log.debug("client of %s disconnected", rid)
+                return resp
             while not all(r.finished for r in reqs):
                 await waiter.event.wait()
                 waiter.event.clear()
@@ -242,9 +262,8 @@ class SimServer:
         return api.usage(sum(r.prompt_len for r in reqs), sum(r.num_output for r in reqs),
                          sum(r.cached_tokens for r in reqs))
 
-    async def _stream(self, request: web.Request, g: api.GenRequest, rid: str, reqs: list[Request],
-                      waiter: _Waiter) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+    async def _stream(self, request: web.Request, resp: web.StreamResponse, g: api.GenRequest, rid: str,
+                      reqs: list[Request], waiter: _Waiter) -> None:
         await resp.prepare(request)
         created = int(time.time())
         model, chat, decode = g.model, g.chat, self.tok.decode
@@ -276,7 +295,6 @@ class SimServer:
             tail = _sse(api.usage_chunk(rid, created, model, chat, self._usage(reqs)))
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
 
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -345,6 +363,8 @@ class SimServer:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
+        if self.kv_publisher is not None:
+            await self._publish_kv()
         return web.Response(status=200)
 
     async def kv_blocks(self, request: web.Request) -> web.Response:
