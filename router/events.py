@@ -39,6 +39,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from zmq.utils.monitor import parse_monitor_message
 
 from backends.kv_events import (
     END_SEQ,
@@ -52,6 +53,8 @@ from backends.kv_events import (
 from router.core.kv_tracker import ReplicaTracker, SeqTracker
 
 log = logging.getLogger("kvrouter.events")
+
+_PROBE = -2  # queue item: check the engine's replay buffer (after a (re)connection)
 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -108,7 +111,7 @@ class _Replica:
     stats: ReplicaStats = field(default_factory=ReplicaStats)
     replayed: tuple[int, int] = (1, 0)  # seq range the last replay delivered (empty)
     last_payload: bytes | None = None  # bytes of the last batch applied (engine identity check)
-    suspect: bool = False  # the connection dropped: verify the engine before continuing
+    suspect: bool = True  # state unknown (start, connection dropped): verify before continuing
     removed: bool = False
 
 
@@ -180,7 +183,7 @@ class EventSubscriber:
             self._sockets.append(sock)
             by_topic = {r.source.topic: r for r in reps}
             self._tasks.append(asyncio.create_task(self._receive(sock, by_topic)))
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
             self._sockets.append(mon)
             self._tasks.append(asyncio.create_task(self._watch(mon, reps)))
         for r in self._replicas.values():
@@ -263,12 +266,20 @@ class EventSubscriber:
             await r.queue.put((seq, frames[2]))
 
     async def _watch(self, mon: zmq.asyncio.Socket, reps: list[_Replica]) -> None:
-        """A publisher disconnected (engine died or restarted, network): the next message of
-        each replica on that socket is checked against the engine's replay buffer."""
+        """Connection events of one SUB socket. A publisher disconnecting (engine died or
+        restarted, network) makes its replicas suspect; a (re)connection makes each suspect
+        replica check the engine's replay buffer at once (messages published before the
+        SUB socket reconnected are lost on the wire, and an idle engine may send no more)."""
         while True:
-            await mon.recv_multipart()
-            for r in reps:
-                r.suspect = True
+            frames = await mon.recv_multipart()
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                for r in reps:
+                    r.suspect = True
+            else:
+                for r in reps:
+                    if r.suspect and not r.removed:
+                        await r.queue.put((_PROBE, b""))
 
     def _decode_error(self, r: _Replica, why: str) -> None:
         r.stats.decode_errors += 1
@@ -283,12 +294,28 @@ class EventSubscriber:
         while True:
             seq, payload = await r.queue.get()
             try:
-                if not r.removed:
+                if r.removed:
+                    pass
+                elif seq == _PROBE:
+                    if r.suspect:
+                        await self._probe(r)
+                else:
                     await self._handle(r, seq, payload)
             except Exception:  # never let one bad message stop the replica's stream
                 log.exception("kv events: failed to apply a message from %s", r.source.replica)
             finally:
                 r.queue.task_done()
+
+    async def _probe(self, r: _Replica) -> None:
+        """Same engine as before (our last batch replays byte for byte)? Then apply what was
+        missed; otherwise clear and rebuild from the engine's buffer."""
+        r.suspect = False
+        if r.seq.last is not None and await self._replay(r, r.seq.last, verify=r.last_payload):
+            return
+        await self._clear(r, "start" if r.seq.last is None else "resync")
+        r.seq = SeqTracker()
+        r.replayed = (1, 0)
+        await self._replay(r, 0)
 
     async def _handle(self, r: _Replica, seq: int, payload: bytes) -> None:
         lo, hi = r.replayed

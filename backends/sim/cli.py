@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--default-max-tokens", type=int, default=0,
       help="max_tokens when a request gives none (default: 0 = vLLM's: 16 for completions, the "
       "rest of the context for chat)")
+    a("--kv-events-config", default=None, metavar="JSON",
+      help='publish KV-cache events like vLLM, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+      '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "encoding": "map"}\' '
+      '(encoding: map = newer vLLM, array = older vLLM / SGLang; see docs/kv-events.md)')
+    a("--prefix-hash", choices=("builtin", "vllm"), default="builtin",
+      help="block hashes of the prefix cache (and of its KV events): builtin = the router's xxh3 chain, "
+      "vllm = vLLM's sha256 chain (default: %(default)s)")
     a("--log-level", default="warning", help="logging level (default: %(default)s)")
     return p
 
@@ -115,17 +122,32 @@ def build_server(argv: list[str]) -> tuple[SimServer, argparse.Namespace]:
         p.error(f"--max-model-len {max_len} must be in [2, {capacity}] for {num_blocks} blocks of "
                 f"{args.block_size} tokens")
     tok = SimTokenizer(args.tokenizer)
+    kv_events = None
+    if args.kv_events_config:
+        from backends.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+
+        try:
+            kv_cfg = KVEventsConfig.from_json(args.kv_events_config)
+        except (ValueError, TypeError) as e:
+            p.error(str(e))
+        kv_events = KVEventPublisher(kv_cfg) if kv_cfg.enabled else None
+    extra: dict[str, object] = {"record_kv_events": kv_events is not None}
+    if args.prefix_hash == "vllm":
+        from backends.kv_events import VllmBlockHasher
+
+        extra["hasher"] = VllmBlockHasher()
     config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
                           enable_prefix_caching=not args.no_prefix_caching, spec_tokens=args.spec_tokens,
                           spec_acceptance=args.spec_acceptance, model=args.model, seed=args.seed,
-                          output_tape=make_tape(args.seed, tok.char_id))
+                          output_tape=make_tape(args.seed, tok.char_id), **extra)
     info = {"gpu": args.gpu, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
             "tensor_parallel": args.tensor_parallel, "gpu_memory_utilization": args.gpu_memory_utilization,
             "model_config": model.name, "time_scale": args.time_scale,
             "kv_bytes_per_token": int(roofline.kv_bytes_per_token)}
     server = SimServer(EngineModel(config, roofline), tok, served=(args.model,), time_scale=args.time_scale,
-                       root=model.name, info=info, default_max_tokens=args.default_max_tokens)
+                       root=model.name, info=info, default_max_tokens=args.default_max_tokens,
+                       kv_publisher=kv_events)
     return server, args
 
 

@@ -6,8 +6,9 @@ Configured with the same ``--kv-events-config`` JSON as vLLM::
      "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000,
      "encoding": "map"}
 
-``encoding`` (``map`` = newer vLLM, ``array`` = older vLLM / SGLang) is the simulator's only
-extra key; other unknown keys are ignored. As in vLLM the PUB socket *binds* when the
+``encoding`` (``map`` = newer vLLM, ``array`` = older vLLM / SGLang) and ``drop_seqs`` (fault
+injection for tests: those sequence numbers are buffered for replay but never sent, so a
+subscriber sees a gap) are the simulator's own keys; other unknown keys are ignored. As in vLLM the PUB socket *binds* when the
 endpoint contains ``*`` or ``::`` or is ``ipc://`` / ``inproc://`` and *connects* otherwise
 (to a router that binds one socket for many engines); the replay ROUTER socket always
 binds. Each published batch gets the next sequence number (from 0) and is kept in a ring
@@ -62,6 +63,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     encoding: str = "map"
+    drop_seqs: tuple[int, ...] = ()  # fault injection: batches buffered for replay, never sent
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +78,10 @@ class KVEventsConfig:
         if not isinstance(raw, dict):
             raise ValueError("--kv-events-config must be a JSON object")
         known = {f.name for f in fields(cls)}
-        cfg = cls(**{k: v for k, v in raw.items() if k in known})
+        kw = {k: v for k, v in raw.items() if k in known}
+        if "drop_seqs" in kw:
+            kw["drop_seqs"] = tuple(int(x) for x in kw["drop_seqs"])
+        cfg = cls(**kw)
         if cfg.encoding not in ENCODINGS:
             raise ValueError(f"--kv-events-config encoding must be one of {', '.join(ENCODINGS)}")
         if cfg.publisher not in ("zmq", "null"):
@@ -160,7 +165,7 @@ class KVEventPublisher:
         batch = EventBatch(self.clock() if ts is None else ts, tuple(events), self.rank)
         payload = encode_payload(batch, self.config.encoding)
         self._buffer.append((seq, payload))
-        if send and self._pub is not None:
+        if send and self._pub is not None and seq not in self.config.drop_seqs:
             await self._pub.send_multipart([self.config.topic.encode(), encode_seq(seq), payload])
         return seq
 
