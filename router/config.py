@@ -129,6 +129,21 @@ class LimitsConfig:
     max_header_line_bytes: int = 8190
     max_header_field_bytes: int = 8190
     max_headers: int = 128
+    max_connections: int = 10_000  # open client connections; beyond: 503 and closed
+    client_idle_timeout_s: float = 75.0  # idle (or silent since connect) client connection closed
+    client_write_timeout_s: float = 60.0  # a client not reading a response for this long is cut off
+    rate_limit_rps: float = 0.0  # requests per second per API key (0 = no limit)
+    rate_limit_burst: int = 0  # bucket size (0 = ceil(rate_limit_rps))
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Per-replica circuit breaker on real requests (router/breaker.py)."""
+
+    enabled: bool = True
+    failure_threshold: int = 5  # consecutive failed attempts that open it
+    open_s: float = 10.0  # no traffic for this long, then one probe at a time
+    success_threshold: int = 2  # successful probes that close it
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +171,7 @@ class Config:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     headers: HeadersConfig = field(default_factory=HeadersConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -455,14 +471,19 @@ def _build_config(d: Mapping[str, Any]) -> Config:
         "api_keys": _str_list, "admin_key": _str(optional=True), "metrics_public": _bool})
     limits = _section(LimitsConfig, d.get("limits"), "limits", {
         "max_body_bytes": _int(1), "max_concurrent": _int(1), "retry_after_s": _int(0),
-        "max_header_line_bytes": _int(256), "max_header_field_bytes": _int(256), "max_headers": _int(8)})
+        "max_header_line_bytes": _int(256), "max_header_field_bytes": _int(256), "max_headers": _int(8),
+        "max_connections": _int(1), "client_idle_timeout_s": _num(positive=True),
+        "client_write_timeout_s": _num(positive=True), "rate_limit_rps": _num(lo=0), "rate_limit_burst": _int(0)})
+    breaker = _section(BreakerConfig, d.get("breaker"), "breaker", {
+        "enabled": _bool, "failure_threshold": _int(1), "open_s": _num(positive=True),
+        "success_threshold": _int(1)})
     headers = _section(HeadersConfig, d.get("headers"), "headers", {
         "replica_header": _str(nonempty=False), "request_id_header": _str()})
     logging_ = _section(LoggingConfig, d.get("logging"), "logging", {
         "level": _str(choices=("debug", "info", "warning", "error")),
         "format": _str(choices=("text", "json")), "requests": _bool})
     return Config(listen=listen, policy=policy, models=models, index=index, replicas=tuple(replicas),
-                  health=health, scrape=scrape, upstream=upstream, auth=auth, limits=limits,
+                  health=health, scrape=scrape, upstream=upstream, auth=auth, limits=limits, breaker=breaker,
                   headers=headers, logging=logging_)
 
 

@@ -35,6 +35,7 @@ from router.config import Config
 from router.core.types import Decision, NoReplicaError, RoutingRequest
 from router.metrics import RouterMetrics
 from router.pool import Guard, Pool, Replica
+from router.protect import breaker_outcome, build_breakers
 
 # never forwarded, in either direction (RFC 9110 §7.6.1 plus framing we recompute)
 HOP_BY_HOP = frozenset({
@@ -146,6 +147,8 @@ class Proxy:
         self.replica_header = config.headers.replica_header
         self.request_id_header = config.headers.request_id_header
         self.session: aiohttp.ClientSession | None = None
+        self.write_timeout = config.limits.client_write_timeout_s  # a client not reading is cut off
+        self.breakers = build_breakers(config.breaker, metrics.registry, log)  # router/breaker.py
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.max_connections_per_replica,
@@ -177,6 +180,9 @@ class Proxy:
             matches = await self.prefix.lookup(rreq)
         last: _Retry | None = None
         while True:
+            blocked = self.breakers.blocked(asyncio.get_running_loop().time())
+            if blocked:  # open circuit breakers: skipped like ejected replicas
+                rreq.exclude = rreq.exclude | blocked
             try:
                 decision = self.policy.choose(rreq, self.pool.snapshot(ctx.model), matches, self.rng)
             except NoReplicaError as exc:
@@ -192,10 +198,15 @@ class Proxy:
             if self._on_routed is not None:
                 self._on_routed(rreq, decision)
             guard = Guard(rep.state)
+            self.breakers.started(rep.cfg.id, asyncio.get_running_loop().time())
+            outcome: bool | None = None
             try:
                 out = await self._attempt(request, ctx, rep, rreq, decision)
+                outcome = breaker_outcome(out.status if isinstance(out, _Retry) else ctx.status,
+                                          isinstance(out, _Retry))
             finally:
                 guard.release()
+                self.breakers.finished(rep.cfg.id, outcome, asyncio.get_running_loop().time())
             if self._on_finished is not None:
                 self._on_finished(rreq, rep.cfg.id, not isinstance(out, _Retry) and ctx.status < 500)
             if not isinstance(out, _Retry):
@@ -258,11 +269,9 @@ class Proxy:
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError):
             self.metrics.upstream_error(rid, "disconnect")
             return _Retry("disconnect")
-        except TimeoutError:
+        except TimeoutError:  # nothing reached the client yet: retried on another replica
             self.metrics.upstream_error(rid, "first_byte_timeout")
-            ctx.status = 504
-            return error_response(504, "upstream did not answer within upstream.first_byte_timeout_s",
-                                  "timeout", "upstream_timeout", headers={self.request_id_header: ctx.request_id})
+            return _Retry("first_byte_timeout", 504)
         except aiohttp.ClientError as exc:
             self.metrics.upstream_error(rid, "client_error")
             return _Retry(type(exc).__name__)
@@ -305,11 +314,9 @@ class Proxy:
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s):
                 first = await content.readany()
-        except TimeoutError:
+        except TimeoutError:  # nothing reached the client yet: retried on another replica
             self.metrics.upstream_error(rid, "first_byte_timeout")
-            ctx.status = 504
-            return error_response(504, "upstream stream produced nothing within upstream.first_byte_timeout_s",
-                                  "timeout", "upstream_timeout", headers={self.request_id_header: ctx.request_id})
+            return _Retry("first_byte_timeout", 504)
         except aiohttp.ClientError:
             self.metrics.upstream_error(rid, "disconnect")
             return _Retry("disconnect")
@@ -337,7 +344,15 @@ class Proxy:
                 else:
                     send, pending = _split_events(chunk)
                 if send:
-                    await out.write(send)
+                    try:
+                        async with asyncio.timeout(self.write_timeout):
+                            await out.write(send)
+                    except TimeoutError:  # the client stopped reading: cut it off, free the slot
+                        ctx.status = 499
+                        self.metrics.reject("client_write_timeout")
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return out
                     if keep_tail:
                         tail = (tail + send)[-_TAIL:]
                     if send.endswith(_DONE) or send.endswith(b"[DONE]\r\n\r\n"):

@@ -27,10 +27,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from router.config import Config, ConfigError
+from router.conn import GuardedRunner
 from router.core.scheduler import default_registry
 from router.logs import request_logger
 from router.metrics import RouterMetrics
 from router.pool import Pool, replica_from_dict, states_summary
+from router.protect import build_rate_limiter, refused_counter
 from router.proxy import (
     REQUEST_DROP,
     NullPrefixService,
@@ -86,6 +88,8 @@ class RouterState:
         self.max_body = config.limits.max_body_bytes
         self.max_concurrent = config.limits.max_concurrent
         self.retry_after = str(config.limits.retry_after_s)
+        self.ratelimit = build_rate_limiter(config.limits)  # per API key (router/ratelimit.py)
+        self.conn_refused = refused_counter(self.registry)
 
     def _replica_removed(self, replica_id: str) -> None:
         self.prefix.replica_removed(replica_id)
@@ -171,6 +175,13 @@ async def handle_proxy(request: web.Request) -> web.StreamResponse:
     if not st.client_ok(request):
         st.metrics.reject("unauthorized")
         return _with_rid(_unauthorized(), st, rid)
+    if st.ratelimit is not None:
+        allowed, wait = st.ratelimit.allow(st._bearer(request) or (request.remote or "").encode(), t0)
+        if not allowed:
+            st.metrics.reject("rate_limited")
+            return _with_rid(_err(429, "Rate limit exceeded for this API key (limits.rate_limit_rps)",
+                                  "rate_limit_error", "rate_limit_exceeded",
+                                  headers={"Retry-After": str(max(1, -int(-wait // 1)))}), st, rid)
     if st.active >= st.max_concurrent:
         st.metrics.reject("concurrency")
         return _with_rid(_err(429, f"Too many concurrent requests (limits.max_concurrent={st.max_concurrent})",
@@ -371,7 +382,10 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
 
 def runner_for(app: web.Application, config: Config) -> web.AppRunner:
     lim = config.limits
-    return web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+    # GuardedRunner: OpenAI-shaped protocol errors, connection cap, idle connections closed
+    return GuardedRunner(app, max_connections=lim.max_connections, on_refused=app[STATE].conn_refused.inc,
+                         keepalive_timeout=lim.client_idle_timeout_s,
+                         handle_signals=False, access_log=None, handler_cancellation=True,
                          max_line_size=lim.max_header_line_bytes, max_field_size=lim.max_header_field_bytes,
                          max_headers=lim.max_headers)
 
