@@ -39,6 +39,8 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from zmq.utils.monitor import parse_monitor_message
 
 from backends.kv_events import (
@@ -117,6 +119,7 @@ class _Replica:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         def c(name: str, doc: str, labels: Sequence[str] = ("replica",)) -> Counter:
             return Counter(name, doc, list(labels), registry=registry)
 
@@ -131,6 +134,30 @@ class _Metrics:
         self.lag = Histogram("kvrouter_kv_event_lag_seconds",
                              "Engine storing a block (batch timestamp) to the index knowing it",
                              buckets=LAG_BUCKETS, registry=registry)
+        self.approx_expired = c("kvrouter_kv_event_approx_expired_blocks",
+                                "Blocks the router recorded itself that no engine event confirmed in time")
+
+
+class _TrackerCollector(Collector):
+    """Per-replica tracker state, read at scrape time."""
+
+    def __init__(self, replicas: dict[str, _Replica]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterable[Metric]:
+        held = GaugeMetricFamily("kvrouter_kv_event_engine_blocks",
+                                 "Engine blocks the tracker maps to router blocks", labels=["replica"])
+        skipped = CounterMetricFamily("kvrouter_kv_event_blocks_skipped",
+                                      "Stored blocks not indexed (unknown parent, other medium or group, "
+                                      "unsupported block size)", labels=["replica", "reason"])
+        seq = GaugeMetricFamily("kvrouter_kv_event_last_seq", "Last sequence number applied", labels=["replica"])
+        for rid, r in self._replicas.items():
+            st = r.tracker.stats
+            held.add_metric([rid], len(r.tracker))
+            skipped.add_metric([rid, "unknown_parent"], st.unknown_parent)
+            skipped.add_metric([rid, "other"], st.skipped)
+            seq.add_metric([rid], -1 if r.seq.last is None else r.seq.last)
+        yield from (held, skipped, seq)
 
 
 class EventSubscriber:
@@ -152,6 +179,7 @@ class EventSubscriber:
                 s, ReplicaTracker(s.replica, s.model, s.block_size, mediums=mediums),
                 asyncio.Queue(queue_size))
         self._groups = self._group_sockets()
+        self.metrics.registry.register(_TrackerCollector(self._replicas))
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: list[zmq.asyncio.Socket] = []

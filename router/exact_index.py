@@ -107,6 +107,7 @@ class ExactAwareIndex:
             if stale:
                 await self.inner.remove(replica, stale)
                 removed += len(stale)
+                self.subscriber.metrics.approx_expired.labels(replica).inc(len(stale))
         self.expired_blocks += removed
         return removed
 

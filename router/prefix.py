@@ -108,6 +108,9 @@ class PrefixService:
         self.config = config
         self.metrics = PrefixMetrics(registry)
         self.index = index if index is not None else build_index(config, self.metrics)
+        if index is None:  # replicas with kv_events: exact tracking (docs/kv-events.md)
+            from router.exact_index import attach_events
+            self.index, self.events = attach_events(config, self.index, registry)
         self._models: dict[str, _Model] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 

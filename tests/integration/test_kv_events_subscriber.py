@@ -318,3 +318,33 @@ async def test_exact_wins_over_unconfirmed_approximate_records():
     finally:
         await sub.close()
         await pub.close()
+
+
+async def test_metrics_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry()
+    pub_ep, rep_ep = ipc_pair()
+    pub = KVEventPublisher(KVEventsConfig(True, "zmq", pub_ep, rep_ep, drop_seqs=(3,)))
+    await pub.start()
+    index = MemoryIndex(ttl_s=None)
+    sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep, rep_ep)], index, registry=reg)
+    await sub.start()
+    try:
+        await sync(pub, sub)
+        while pub.seq <= 3:
+            await pub.publish([])
+        await pub.publish([stored_chain(toks(32), [1, 2])])
+        await eventually(lambda: _eq(held(index, "r0", router_chain(toks(32))), 2))
+        text = generate_latest(reg).decode()
+        for name in ("kvrouter_kv_events_received_total", "kvrouter_kv_event_batches_received_total",
+                     "kvrouter_kv_event_gaps_total", "kvrouter_kv_event_replays_total",
+                     "kvrouter_kv_event_decode_errors_total", "kvrouter_kv_event_lag_seconds_bucket",
+                     "kvrouter_kv_event_engine_blocks", "kvrouter_kv_event_last_seq"):
+            assert name in text, name
+        assert 'kvrouter_kv_event_gaps_total{replica="r0"} 1.0' in text
+        assert 'kvrouter_kv_event_engine_blocks{replica="r0"} 2.0' in text
+        assert 'kvrouter_kv_events_received_total{replica="r0",type="BlockStored"} 1.0' in text
+    finally:
+        await sub.close()
+        await pub.close()
