@@ -1,6 +1,6 @@
 """The upstream side of the router: choose a replica, send the client's bytes, stream back.
 
-One pooled aiohttp ``ClientSession`` (connections kept alive per replica). For each
+Upstream connections are kept alive per replica by :mod:`router.upstream`. For each
 request: the policy chooses a replica, an in-flight :class:`~router.pool.Guard` is taken
 and held until the response's last byte is written (or the request fails or the client
 goes away), and the original body bytes are sent unchanged.
@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -36,6 +35,7 @@ from router.core.types import Decision, NoReplicaError, RoutingRequest
 from router.metrics import RouterMetrics
 from router.pool import Guard, Pool, Replica
 from router.protect import breaker_outcome, build_breakers
+from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamPool
 
 # never forwarded, in either direction (RFC 9110 §7.6.1 plus framing we recompute)
 HOP_BY_HOP = frozenset({
@@ -125,7 +125,7 @@ class _Retry:
     reason: str
     status: int = 502
     body: bytes = b""
-    headers: Mapping[str, str] | None = None
+    headers: list[tuple[str, str]] | None = None
 
 
 class Proxy:
@@ -146,21 +146,17 @@ class Proxy:
         self.log = log
         self.replica_header = config.headers.replica_header
         self.request_id_header = config.headers.request_id_header
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.write_timeout = config.limits.client_write_timeout_s  # a client not reading is cut off
         self.breakers = build_breakers(config.breaker, metrics.registry, log)  # router/breaker.py
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.max_connections_per_replica,
-                                         keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s))
+        self.upstream = UpstreamPool(self.cfg.max_connections_per_replica, self.cfg.connect_timeout_s)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
 
     # ------------------------------------------------------------------ the request path
 
@@ -236,8 +232,8 @@ class Proxy:
                               "no_healthy_replica", headers={self.request_id_header: ctx.request_id,
                                                              "Retry-After": "1"})
 
-    def _filter(self, headers: Mapping[str, str], ctx: RequestContext) -> dict[str, str]:
-        out = {k: v for k, v in headers.items() if k.lower() not in _RESPONSE_DROP}
+    def _filter(self, headers: list[tuple[str, str]], ctx: RequestContext) -> dict[str, str]:
+        out = {k: v for k, v in headers if k.lower() not in _RESPONSE_DROP}
         out[self.request_id_header] = ctx.request_id
         if self.replica_header:
             out[self.replica_header] = ctx.replica
@@ -245,7 +241,7 @@ class Proxy:
 
     async def _attempt(self, request: web.Request, ctx: RequestContext, rep: Replica,
                        rreq: RoutingRequest, decision: Decision) -> web.StreamResponse | _Retry:
-        assert self.session is not None
+        assert self.upstream is not None
         ctx.attempts += 1
         loop = asyncio.get_running_loop()
         if ctx.attempts == 1:
@@ -256,32 +252,24 @@ class Proxy:
         rid = rep.cfg.id
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                resp = await self.session.request(ctx.method, rep.cfg.url + ctx.path_qs,
-                                                  data=ctx.body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
+                resp = await self.upstream.request(rep.cfg.url, ctx.method, ctx.path_qs, headers.items(), ctx.body)
+        except ConnectFailed as exc:
             self.pool.report_connect_error(rid, str(exc))
             self.metrics.upstream_error(rid, "connect")
             return _Retry("connect")
-        except aiohttp.ConnectionTimeoutError:
-            self.pool.report_connect_error(rid, "connect timeout")
-            self.metrics.upstream_error(rid, "connect_timeout")
-            return _Retry("connect_timeout")
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError):
+        except UpstreamError:
             self.metrics.upstream_error(rid, "disconnect")
             return _Retry("disconnect")
         except TimeoutError:  # nothing reached the client yet: retried on another replica
             self.metrics.upstream_error(rid, "first_byte_timeout")
             return _Retry("first_byte_timeout", 504)
-        except aiohttp.ClientError as exc:
-            self.metrics.upstream_error(rid, "client_error")
-            return _Retry(type(exc).__name__)
         try:
             status = resp.status
             if status >= 500 or status == 429:
                 try:
                     async with asyncio.timeout(self.cfg.idle_timeout_s):
                         body = await resp.read()
-                except (aiohttp.ClientError, TimeoutError):
+                except (UpstreamError, TimeoutError):
                     body = b""
                 self.metrics.upstream_error(rid, f"http_{status}")
                 return _Retry(f"http_{status}", status, body, resp.headers)
@@ -295,7 +283,7 @@ class Proxy:
                 ctx.status = 504
                 return error_response(504, "upstream stalled (upstream.idle_timeout_s)", "timeout",
                                       "upstream_timeout", headers={self.request_id_header: ctx.request_id})
-            except aiohttp.ClientError:
+            except UpstreamError:
                 self.metrics.upstream_error(rid, "disconnect")
                 return _Retry("disconnect")
             ctx.status = status
@@ -306,18 +294,17 @@ class Proxy:
         finally:
             resp.release()  # back to the pool when fully read; closes the connection otherwise
 
-    async def _stream(self, request: web.Request, ctx: RequestContext, resp: aiohttp.ClientResponse,
+    async def _stream(self, request: web.Request, ctx: RequestContext, resp: Response,
                       rreq: RoutingRequest, decision: Decision,
                       loop: asyncio.AbstractEventLoop) -> web.StreamResponse | _Retry:
         rid = ctx.replica
-        content = resp.content
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                first = await content.readany()
+                first = await resp.readany()
         except TimeoutError:  # nothing reached the client yet: retried on another replica
             self.metrics.upstream_error(rid, "first_byte_timeout")
             return _Retry("first_byte_timeout", 504)
-        except aiohttp.ClientError:
+        except UpstreamError:
             self.metrics.upstream_error(rid, "disconnect")
             return _Retry("disconnect")
         if not first:
@@ -359,13 +346,13 @@ class Proxy:
                         done = True
                 try:
                     async with asyncio.timeout(idle):
-                        chunk = await content.readany()
+                        chunk = await resp.readany()
                 except TimeoutError:
                     self.metrics.upstream_error(rid, "idle_timeout")
                     await self._end_stream(out, ctx, pending, "upstream stalled mid-stream "
                                            "(upstream.idle_timeout_s)", "upstream_timeout", 504)
                     return out
-                except aiohttp.ClientError as exc:
+                except UpstreamError as exc:
                     self.metrics.upstream_error(rid, "stream_broken")
                     await self._end_stream(out, ctx, pending, f"upstream failed mid-stream: {type(exc).__name__}",
                                            "upstream_error", 502)
