@@ -81,6 +81,8 @@ class PolicyResult:
     preemptions: int
     virtual_duration_s: float
     skipped: int
+    reasons: dict[str, int] = field(default_factory=dict)
+    predicted_hit_rate: float = 0.0  # the router's own estimate: matched tokens at routing time
     ttfts: list[float] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,7 +90,8 @@ class PolicyResult:
                 "ttft_p99_s": self.ttft_p99_s, "load_imbalance": self.load_imbalance,
                 "requests_per_replica": self.requests_per_replica, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
-                "virtual_duration_s": self.virtual_duration_s, "skipped": self.skipped}
+                "virtual_duration_s": self.virtual_duration_s, "skipped": self.skipped,
+                "reasons": self.reasons, "predicted_hit_rate": self.predicted_hit_rate}
 
 
 def roofline_for(cfg: OfflineConfig) -> Roofline:
@@ -160,7 +163,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
     owner: dict[str, tuple[int, RoutingRequest]] = {}
     per_replica = dict.fromkeys(fleet.ids, 0)
     ttfts: list[float] = []
-    prompt_tokens = cached_tokens = skipped = 0
+    prompt_tokens = cached_tokens = skipped = predicted = routed_tokens = 0
+    reasons: dict[str, int] = {}
     n = len(requests)
     i = 0
     now = 0.0
@@ -207,6 +211,9 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
         matches = index.lookup(hashes, now) if index is not None else {}
         d = policy.choose(rreq, fleet.states, matches, rng)
         e = fleet.ids.index(d.replica)
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        predicted += min(d.matched_tokens, tr.input_length - 1)
+        routed_tokens += tr.input_length
         if index is not None:
             index.record(hashes, d.replica, now)
         if on_routed is not None:
@@ -229,7 +236,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
         load_imbalance=load_imbalance(per_replica, fleet.ids),
         requests_per_replica=per_replica, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         preemptions=sum(eng.stats.num_preemptions for eng in fleet.engines),
-        virtual_duration_s=now, skipped=skipped, ttfts=ttfts)
+        virtual_duration_s=now, skipped=skipped, reasons=reasons,
+        predicted_hit_rate=predicted / routed_tokens if routed_tokens else 0.0, ttfts=ttfts)
 
 
 def ideal_figures(requests: Sequence[TraceRequest], cfg: OfflineConfig, roof: Roofline) -> dict[str, Any]:
@@ -241,3 +249,97 @@ def ideal_figures(requests: Sequence[TraceRequest], cfg: OfflineConfig, roof: Ro
             "ideal_pooled_hit_rate": ideal_pooled_lru(requests, pooled_blocks).token_rate,
             "ideal_pooled_capacity_blocks": pooled_blocks,
             "fleet_kv_tokens": fleet_tokens}
+
+
+def compare(requests: Sequence[TraceRequest], policies: Sequence[str], cfg: OfflineConfig,
+            timer: Any = None) -> dict[str, Any]:
+    """Every policy on the same trace and fleet, plus the trace's ideal figures, as one
+    JSON-able object. ``timer`` (a zero-argument clock, e.g. ``time.perf_counter``) adds
+    each run's wall time as ``wall_s``."""
+    roof = roofline_for(cfg)
+    out: dict[str, Any] = {
+        "requests": len(requests), "replicas": cfg.replicas, "gpu": cfg.gpu, "model": cfg.model,
+        "engine_block_size": cfg.engine_block_size, "kv_capacity_blocks_per_replica": roof.kv_capacity_blocks,
+        "speed": cfg.speed, **ideal_figures(requests, cfg, roof), "policies": {}}
+    results: dict[str, PolicyResult] = {}
+    for p in policies:
+        t0 = timer() if timer else 0.0
+        res = simulate(requests, p, cfg, roof)
+        d = res.to_dict()
+        ip = out["ideal_pooled_hit_rate"]
+        d["fraction_of_ideal_pooled"] = res.hit_rate / ip if ip else None
+        if timer:
+            d["wall_s"] = timer() - t0
+        out["policies"][p] = d
+        results[p] = res
+    out["_results"] = results
+    return out
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Hit rate per policy (against the ideal figures) and the TTFT CDF per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results: dict[str, PolicyResult] = report["_results"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(results)
+    ax1.bar(names, [results[n].hit_rate for n in names], color="tab:blue")
+    ax1.axhline(report["ideal_pooled_hit_rate"], color="tab:orange", ls="--", label="ideal pooled LRU")
+    ax1.axhline(report["ideal_infinite_hit_rate"], color="tab:green", ls=":", label="ideal infinite")
+    ax1.set_ylabel("prefix hit rate (tokens)")
+    ax1.set_title(f"{report['replicas']} × {report['gpu']}, {report['model']}")
+    ax1.legend(loc="upper left", fontsize=8)
+    for n in names:
+        xs = sorted(results[n].ttfts)
+        if xs:
+            ax2.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=n)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("TTFT (s, virtual time)")
+    ax2.set_ylabel("fraction of requests")
+    ax2.set_title("TTFT CDF")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_offline_cli(args: Any, requests: list[TraceRequest]) -> int:
+    """``kvrouter replay --offline``: the table (or ``--json``) and ``--plot``."""
+    import json
+    import time
+
+    names = [p.strip() for p in (args.policies or args.policy or "cache_aware").split(",") if p.strip()]
+    known = default_registry().names()
+    bad = [p for p in names if p not in known]
+    if bad:
+        raise ValueError(f"unknown policy {', '.join(bad)}; known: {', '.join(known)}")
+    cfg = OfflineConfig(replicas=args.replicas, gpu=args.gpu, model=args.model or "llama-3.1-8b",
+                        engine_block_size=args.engine_block_size, policy_options=dict(args.policy_option),
+                        speed=args.speed, seed=args.seed)
+    try:
+        roofline_for(cfg)
+    except Exception as exc:  # planner errors name the bad preset
+        raise ValueError(str(exc)) from None
+    report = compare(requests, names, cfg, timer=time.perf_counter)
+    if args.plot:
+        plot(report, args.plot)
+    report.pop("_results")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['requests']:,} requests on {cfg.replicas} × {cfg.gpu} serving {cfg.model} "
+          f"({report['kv_capacity_blocks_per_replica']:,} KV blocks of {cfg.engine_block_size} tokens each)")
+    print(f"ideal hit rate: pooled LRU {report['ideal_pooled_hit_rate']:.3f}, "
+          f"infinite {report['ideal_infinite_hit_rate']:.3f}")
+    print(f"{'policy':<16}{'hit rate':>9}{'of ideal':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'imbalance':>10}{'wall s':>8}")
+    for p, d in report["policies"].items():
+        frac = d["fraction_of_ideal_pooled"]
+        print(f"{p:<16}{d['hit_rate']:>9.3f}{(frac if frac is not None else 0):>9.2f}"
+              f"{d['ttft_p50_s']:>10.3f}{d['ttft_p99_s']:>10.3f}{d['load_imbalance']:>10.3f}{d['wall_s']:>8.1f}")
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
