@@ -160,6 +160,30 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Where replicas come from besides ``replicas`` (see router/discovery.py, docs/deployment.md)."""
+
+    mode: str = "static"  # static | dns | kubernetes
+    name: str = ""  # dns: host name to resolve (a headless Service); kubernetes: the Service name
+    port: int = 8000  # dns: the engines' port (kubernetes: from the EndpointSlice)
+    scheme: str = "http"
+    models: tuple[str, ...] = ()  # the models every discovered replica serves
+    interval_s: float = 5.0  # seconds between two resolutions
+    api_key: str | None = None  # bearer key sent to discovered replicas
+    namespace: str | None = None  # kubernetes: default the pod's own namespace
+    port_name: str | None = None  # kubernetes: which EndpointSlice port (default: the first)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleConfig:
+    """Graceful shutdown and reload (see router/lifecycle.py)."""
+
+    shutdown_grace_s: float = 30.0  # SIGTERM: longest wait for in-flight requests before exit
+    drain_delay_s: float = 0.0  # SIGTERM: keep serving this long with /ready failing, then stop accepting
+    watch_config_s: float = 0.0  # poll the config file every N s and reload on change (0 = SIGHUP only)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     listen: ListenConfig = field(default_factory=ListenConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -174,6 +198,8 @@ class Config:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     headers: HeadersConfig = field(default_factory=HeadersConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Config:
@@ -188,6 +214,9 @@ class Config:
         seen: dict[str, None] = {}
         for r in self.replicas:
             for m in r.models:
+                seen.setdefault(m, None)
+        if self.discovery.mode != "static":
+            for m in self.discovery.models:
                 seen.setdefault(m, None)
         return list(seen)
 
@@ -482,9 +511,21 @@ def _build_config(d: Mapping[str, Any]) -> Config:
     logging_ = _section(LoggingConfig, d.get("logging"), "logging", {
         "level": _str(choices=("debug", "info", "warning", "error")),
         "format": _str(choices=("text", "json")), "requests": _bool})
+    discovery = _section(DiscoveryConfig, d.get("discovery"), "discovery", {
+        "mode": _str(choices=("static", "dns", "kubernetes")), "name": _str(nonempty=False),
+        "port": _int(1, 65535), "scheme": _str(choices=("http", "https")), "models": _str_list,
+        "interval_s": _num(positive=True), "api_key": _str(optional=True), "namespace": _str(optional=True),
+        "port_name": _str(optional=True)})
+    if discovery.mode != "static":
+        if not discovery.name:
+            raise ConfigError("discovery.name", f"required when discovery.mode is {discovery.mode}")
+        if not discovery.models:
+            raise ConfigError("discovery.models", "must list the models the discovered replicas serve")
+    lifecycle = _section(LifecycleConfig, d.get("lifecycle"), "lifecycle", {
+        "shutdown_grace_s": _num(lo=0), "drain_delay_s": _num(lo=0), "watch_config_s": _num(lo=0)})
     return Config(listen=listen, policy=policy, models=models, index=index, replicas=tuple(replicas),
                   health=health, scrape=scrape, upstream=upstream, auth=auth, limits=limits, breaker=breaker,
-                  headers=headers, logging=logging_)
+                  headers=headers, logging=logging_, discovery=discovery, lifecycle=lifecycle)
 
 
 def check_policy(cfg: Config) -> None:

@@ -157,6 +157,40 @@ class Pool:
             self.on_removed(replica_id)
         return True
 
+    async def set_replicas(self, desired: Sequence[ReplicaConfig]) -> tuple[list[str], list[str]]:
+        """Make the membership ``desired`` (discovery, config reload); returns (added, removed) ids.
+
+        New replicas join out of rotation and are health-checked before use (when the pool is
+        started). Replicas that left stop receiving requests at once while the requests they
+        already hold finish (their guards keep the state object), and ``on_removed`` drops
+        their index entries. A changed ``url`` or ``models`` replaces the replica; a changed
+        ``api_key`` or ``capacity_blocks`` is applied in place."""
+        want = {rc.id: rc for rc in desired}
+        removed = [rid for rid, rep in self._replicas.items()
+                   if rid not in want or (rep.cfg.url, rep.cfg.models) != (want[rid].url, want[rid].models)]
+        for rid in removed:
+            self.remove(rid)
+        added: list[Replica] = []
+        for rc in desired:
+            rep = self._replicas.get(rc.id)
+            if rep is None:
+                rep = self._insert(rc)
+                rep.tracker.healthy = rep.state.healthy = False  # probed before use
+                added.append(rep)
+            elif rep.cfg != rc:
+                rep.cfg = rc
+                rep.auth_headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+                if rc.capacity_blocks is not None:
+                    rep.state.capacity_blocks = rc.capacity_blocks
+        self._rebuild()
+        if added:
+            log.info("replicas added: %s; removed: %s", [r.cfg.id for r in added], removed)
+            if self._session is not None:
+                await asyncio.gather(*(self.check_one(r) for r in added))
+        elif removed:
+            log.info("replicas removed: %s", removed)
+        return [r.cfg.id for r in added], removed
+
     # ------------------------------------------------------------------ reads
 
     def snapshot(self, model: str) -> list[ReplicaState]:

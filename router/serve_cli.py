@@ -51,17 +51,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="add a replica (appended to the file's replicas), e.g. http://127.0.0.1:9001=llama")
     add_common_flags(p)
     args = p.parse_args(argv)
-    try:
+
+    def load() -> Config:  # also the SIGHUP reload (router/lifecycle.py): same sources again
         cfg = load_config(args.config, env=os.environ, overrides=flag_overrides(args))
         cfg = with_cli_replicas(cfg, args.replica)
         check_policy(cfg)
+        if not cfg.replicas and cfg.discovery.mode == "static":
+            raise ConfigError("replicas", "at least one replica is required (or set discovery.mode)")
+        return cfg
+
+    try:
+        cfg = load()
     except ConfigError as exc:
         print(f"kvrouter serve: config error: {exc}", file=sys.stderr)
         return 2
-    if not cfg.replicas:
-        print("kvrouter serve: config error: replicas: at least one replica is required", file=sys.stderr)
-        return 2
-    return run_router(cfg)
+    return run_router(cfg, loader=load, watch_path=args.config)
 
 
 def with_cli_replicas(cfg: Config, specs: list[str]) -> Config:
@@ -77,8 +81,10 @@ def with_cli_replicas(cfg: Config, specs: list[str]) -> Config:
     return Config.from_dict(data)
 
 
-def run_router(cfg: Config, banner: Callable[[str], str] | None = None) -> int:
-    """Serve ``cfg`` until SIGINT/SIGTERM; prints ``banner(url)`` (or the URL) once listening."""
+def run_router(cfg: Config, banner: Callable[[str], str] | None = None,
+               loader: Callable[[], Config] | None = None, watch_path: str | None = None) -> int:
+    """Serve ``cfg`` until SIGINT/SIGTERM (then drain, exit 0); prints ``banner(url)`` (or the
+    URL) once listening; SIGHUP reloads through ``loader`` (see router/lifecycle.py)."""
     from router.logs import setup_logging
     from router.server import Server, run, serve_forever
 
@@ -90,7 +96,7 @@ def run_router(cfg: Config, banner: Callable[[str], str] | None = None) -> int:
         print(banner(server.url) if banner else f"kvrouter listening on {server.url}", flush=True)
 
     try:
-        run(lambda: serve_forever(cfg, on_ready=ready))
+        run(lambda: serve_forever(cfg, on_ready=ready, loader=loader, watch_path=watch_path))
     except OSError as exc:
         print(f"kvrouter serve: {exc}", file=sys.stderr)
         return 1

@@ -13,12 +13,10 @@ middleware chain).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
 import random
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +88,10 @@ class RouterState:
         self.retry_after = str(config.limits.retry_after_s)
         self.ratelimit = build_rate_limiter(config.limits)  # per API key (router/ratelimit.py)
         self.conn_refused = refused_counter(self.registry)
+        self.draining = False  # set by router.lifecycle on SIGTERM: /ready fails
+        from router.discovery import Discovery
+
+        self.discovery = Discovery(config, self.pool)  # resolver injectable before start
 
     def _replica_removed(self, replica_id: str) -> None:
         self.prefix.replica_removed(replica_id)
@@ -275,6 +277,8 @@ async def handle_health(request: web.Request) -> web.Response:
 
 async def handle_ready(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    if st.draining:
+        return web.Response(status=503, body=b'{"ready":false,"draining":true}', content_type="application/json")
     healthy = set(st.pool.healthy_models())
     missing = [m for m in st.pool.models() if m not in healthy]
     ok = not missing and bool(st.pool.models())
@@ -369,8 +373,10 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
         await st.prefix.start()
         await st.proxy.start()
         await st.pool.start()
+        await st.discovery.start()
 
     async def on_cleanup(app: web.Application) -> None:
+        await st.discovery.close()
         await st.pool.close()
         await st.proxy.close()
         await st.prefix.close()
@@ -386,6 +392,7 @@ def runner_for(app: web.Application, config: Config) -> web.AppRunner:
     return GuardedRunner(app, max_connections=lim.max_connections, on_refused=app[STATE].conn_refused.inc,
                          keepalive_timeout=lim.client_idle_timeout_s,
                          handle_signals=False, access_log=None, handler_cancellation=True,
+                         shutdown_timeout=config.lifecycle.shutdown_grace_s,
                          max_line_size=lim.max_header_line_bytes, max_field_size=lim.max_header_field_bytes,
                          max_headers=lim.max_headers)
 
@@ -420,20 +427,12 @@ class Server:
         await self.runner.cleanup()
 
 
-async def serve_forever(config: Config, *, on_ready: Callable[[Server], Any] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    server = await Server(config).start()
-    try:
-        if on_ready is not None:
-            on_ready(server)
-        await stop.wait()
-    finally:
-        await server.stop()
+async def serve_forever(config: Config, *, on_ready: Callable[[Server], Any] | None = None,
+                        loader: Callable[[], Config] | None = None, watch_path: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain; SIGHUP reloads via ``loader`` (router/lifecycle.py)."""
+    from router.lifecycle import serve
+
+    await serve(config, on_ready=on_ready, loader=loader, watch_path=watch_path)
 
 
 def run(coro_factory: Callable[[], Any]) -> None:
