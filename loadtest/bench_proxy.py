@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="round_robin", help="kvrouter policy (default round_robin)")
     p.add_argument("--compare", default="auto",
                    help="other routers: auto (those installed), none, or a comma list of sglang-router,vllm-router")
+    p.add_argument("--other-python", default=sys.executable, metavar="PATH",
+                   help="interpreter whose environment has sglang-router / vllm-router installed "
+                        "(default: this one), e.g. a separate venv")
     p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--model", default="bench-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -271,26 +274,26 @@ def _others(args: argparse.Namespace, urls: list[str]) -> list[tuple[str, list[s
     wanted = {"sglang-router", "vllm-router"} if args.compare == "auto" else (
         set() if args.compare == "none" else set(args.compare.split(",")))
     out = []
+    py = args.other_python
     if "sglang-router" in wanted:
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError:
+        found = subprocess.run([py, "-c", "import sglang_router"], capture_output=True).returncode == 0
+        if not found:
             if args.compare != "auto":
                 print("sglang-router not installed (pip install sglang-router)", file=sys.stderr)
         else:
             port, prom = free_port(), free_port()
-            out.append(("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            out.append(("sglang-router", [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                           "--port", str(port), "--prometheus-host", "127.0.0.1",
                                           "--prometheus-port", str(prom), "--policy", "round_robin",
                                           "--worker-urls", *urls]))
     if "vllm-router" in wanted:
-        exe = shutil.which("vllm-router")
+        exe = shutil.which("vllm-router", path=str(Path(py).parent)) or shutil.which("vllm-router")
         if exe is None:
             if args.compare != "auto":
                 print("vllm-router not installed (pip install vllm-router)", file=sys.stderr)
         else:
             port, prom = free_port(), free_port()
-            out.append(("vllm-router", [exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+            out.append(("vllm-router", [py, exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
                                         str(prom), "--policy", "round_robin", "--worker-urls", *urls]))
     return out
 

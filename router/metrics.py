@@ -1,18 +1,19 @@
 """The router's Prometheus metrics, on a per-app ``CollectorRegistry`` (never the global one).
 
-Per-request metrics are counters and histograms whose labelled children are cached in
-plain dicts (a ``labels()`` call takes a lock and builds a key; the hot path avoids it).
+Per-request metrics are counters and histograms kept in plain dicts and exported by a
+custom collector at scrape time (prometheus-client's own metric objects take a lock and a
+label lookup per update, several per request: measurable on the hot path).
 Pool-wide gauges (in-flight, health, engine load per replica) are read from the pool at
 scrape time by a custom collector, so requests pay nothing for them.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.core.types import ReplicaState
@@ -45,60 +46,120 @@ class _PoolCollector(Collector):
         yield from (inflight, healthy, running, waiting, kv)
 
 
+class _Counter:
+    """A labelled counter kept in a plain dict; exported at scrape time."""
+
+    __slots__ = ("name", "doc", "labels", "values")
+
+    def __init__(self, name: str, doc: str, labels: list[str]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def family(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, v in list(self.values.items()):
+            fam.add_metric(list(key), v)
+        return fam
+
+
+class _Histogram:
+    """A labelled histogram: per label set, one count per bucket plus the sum."""
+
+    __slots__ = ("name", "doc", "labels", "bounds", "series")
+
+    def __init__(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = list(buckets)
+        self.series: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [0.0] * (len(self.bounds) + 2)  # buckets..., +Inf, sum
+        s[bisect_left(self.bounds, value)] += 1
+        s[-1] += value
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, s in list(self.series.items()):
+            cum, buckets = 0.0, []
+            for bound, n in zip([*self.bounds, float("inf")], s[:-1], strict=True):
+                cum += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
+            fam.add_metric(list(key), buckets, s[-1])
+        return fam
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: list[_Counter | _Histogram]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self._metrics:
+            yield m.family()
+
+
 class RouterMetrics:
-    """Every metric the router exports. ``states`` is the pool's list of replica states."""
+    """Every metric the router exports. ``states`` is the pool's list of replica states.
+
+    Request-path metrics are plain-dict counters and histograms (no locks, no label
+    lookups through prometheus-client on the hot path: the event loop is single-threaded),
+    turned into Prometheus families when ``/metrics`` is scraped."""
 
     def __init__(self, registry: CollectorRegistry, states: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry = registry
-        self.requests = Counter("kvrouter_requests", "Requests by model, replica and HTTP status",
-                                ["model", "replica", "status"], registry=registry)
-        self.latency = Histogram("kvrouter_request_duration_seconds",
-                                 "Total request latency as the router sees it (arrival to last byte)",
-                                 ["model"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttft = Histogram("kvrouter_time_to_first_byte_seconds",
-                              "Arrival to the first response byte sent to the client (TTFT for streams)",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.overhead = Histogram("kvrouter_router_overhead_seconds",
-                                  "Router-added latency: arrival to the upstream request being sent "
-                                  "(parsing, auth, routing), excluding retry backoff",
-                                  buckets=OVERHEAD_BUCKETS, registry=registry)
-        self.retries = Counter("kvrouter_retries", "Upstream attempts retried on another replica, by reason",
-                               ["model", "reason"], registry=registry)
-        self.upstream_errors = Counter("kvrouter_upstream_errors", "Upstream failures by replica and kind",
-                                       ["replica", "kind"], registry=registry)
-        self.decisions = Counter("kvrouter_decisions", "Routing decisions by policy and reason",
-                                 ["policy", "reason"], registry=registry)
-        self.rejected = Counter("kvrouter_rejected", "Requests refused by the router itself, by reason",
-                                ["reason"], registry=registry)
-        self.ejections = Counter("kvrouter_replica_ejections", "Replicas taken out of rotation",
-                                 ["replica"], registry=registry)
+        self.requests = _Counter("kvrouter_requests", "Requests by model, replica and HTTP status "
+                                 "(499: client went away; 502/504 also for streams ended by an upstream failure)",
+                                 ["model", "replica", "status"])
+        self.latency = _Histogram("kvrouter_request_duration_seconds",
+                                  "Total request latency as the router sees it (arrival to last byte)",
+                                  ["model"], LATENCY_BUCKETS)
+        self.ttft = _Histogram("kvrouter_time_to_first_byte_seconds",
+                               "Arrival to the first response byte sent to the client (TTFT for streams)",
+                               ["model"], LATENCY_BUCKETS)
+        self.overhead = _Histogram("kvrouter_router_overhead_seconds",
+                                   "Router-added latency: arrival to the upstream request being sent "
+                                   "(parsing, auth, routing), first attempt", [], OVERHEAD_BUCKETS)
+        self.retries = _Counter("kvrouter_retries", "Upstream attempts retried on another replica, by reason",
+                                ["model", "reason"])
+        self.upstream_errors = _Counter("kvrouter_upstream_errors", "Upstream failures by replica and kind",
+                                        ["replica", "kind"])
+        self.decisions = _Counter("kvrouter_decisions", "Routing decisions by policy and reason",
+                                  ["policy", "reason"])
+        self.rejected = _Counter("kvrouter_rejected", "Requests refused by the router itself, by reason",
+                                 ["reason"])
+        self.ejections = _Counter("kvrouter_replica_ejections", "Replicas taken out of rotation", ["replica"])
+        registry.register(_Collector([self.requests, self.latency, self.ttft, self.overhead, self.retries,
+                                      self.upstream_errors, self.decisions, self.rejected, self.ejections]))
         registry.register(_PoolCollector(states))
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
 
     def request_done(self, model: str, replica: str, status: int, total_s: float, first_byte_s: float | None) -> None:
-        self._child(self.requests, model, replica, str(status)).inc()
-        self._child(self.latency, model).observe(total_s)
+        self.requests.inc((model, replica, str(status)))
+        key = (model,)
+        self.latency.observe(key, total_s)
         if first_byte_s is not None:
-            self._child(self.ttft, model).observe(first_byte_s)
+            self.ttft.observe(key, first_byte_s)
+
+    def router_overhead(self, seconds: float) -> None:
+        self.overhead.observe((), seconds)
 
     def decision(self, policy: str, reason: str) -> None:
-        self._child(self.decisions, policy, reason).inc()
+        self.decisions.inc((policy, reason))
 
     def retry(self, model: str, reason: str) -> None:
-        self._child(self.retries, model, reason).inc()
+        self.retries.inc((model, reason))
 
     def upstream_error(self, replica: str, kind: str) -> None:
-        self._child(self.upstream_errors, replica, kind).inc()
+        self.upstream_errors.inc((replica, kind))
 
     def reject(self, reason: str) -> None:
-        self._child(self.rejected, reason).inc()
+        self.rejected.inc((reason,))
+
+    def ejection(self, replica: str) -> None:
+        self.ejections.inc((replica,))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

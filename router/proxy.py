@@ -245,14 +245,14 @@ class Proxy:
         ctx.attempts += 1
         loop = asyncio.get_running_loop()
         if ctx.attempts == 1:
-            self.metrics.overhead.observe(loop.time() - ctx.t0)
+            self.metrics.router_overhead(loop.time() - ctx.t0)
         headers = ctx.upstream_headers
         if rep.auth_headers:
             headers = {**headers, **rep.auth_headers}
         rid = rep.cfg.id
         try:
-            async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                resp = await self.upstream.request(rep.cfg.url, ctx.method, ctx.path_qs, headers.items(), ctx.body)
+            resp = await self.upstream.request(rep.cfg.url, ctx.method, ctx.path_qs, headers.items(), ctx.body,
+                                               self.cfg.first_byte_timeout_s)
         except ConnectFailed as exc:
             self.pool.report_connect_error(rid, str(exc))
             self.metrics.upstream_error(rid, "connect")
@@ -267,8 +267,7 @@ class Proxy:
             status = resp.status
             if status >= 500 or status == 429:
                 try:
-                    async with asyncio.timeout(self.cfg.idle_timeout_s):
-                        body = await resp.read()
+                    body = await resp.read(self.cfg.idle_timeout_s)
                 except (UpstreamError, TimeoutError):
                     body = b""
                 self.metrics.upstream_error(rid, f"http_{status}")
@@ -276,8 +275,7 @@ class Proxy:
             if resp.content_type == "text/event-stream":
                 return await self._stream(request, ctx, resp, rreq, decision, loop)
             try:
-                async with asyncio.timeout(self.cfg.idle_timeout_s):
-                    body = await resp.read()
+                body = await resp.read(self.cfg.idle_timeout_s)
             except TimeoutError:
                 self.metrics.upstream_error(rid, "idle_timeout")
                 ctx.status = 504
@@ -299,8 +297,7 @@ class Proxy:
                       loop: asyncio.AbstractEventLoop) -> web.StreamResponse | _Retry:
         rid = ctx.replica
         try:
-            async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                first = await resp.readany()
+            first = await resp.readany(self.cfg.first_byte_timeout_s)
         except TimeoutError:  # nothing reached the client yet: retried on another replica
             self.metrics.upstream_error(rid, "first_byte_timeout")
             return _Retry("first_byte_timeout", 504)
@@ -345,8 +342,7 @@ class Proxy:
                     if send.endswith(_DONE) or send.endswith(b"[DONE]\r\n\r\n"):
                         done = True
                 try:
-                    async with asyncio.timeout(idle):
-                        chunk = await resp.readany()
+                    chunk = await resp.readany(idle)
                 except TimeoutError:
                     self.metrics.upstream_error(rid, "idle_timeout")
                     await self._end_stream(out, ctx, pending, "upstream stalled mid-stream "

@@ -98,7 +98,7 @@ class RouterState:
 
     def _health_changed(self, replica_id: str, healthy: bool) -> None:
         if not healthy:
-            self.metrics._child(self.metrics.ejections, replica_id).inc()
+            self.metrics.ejection(replica_id)
 
     # ------------------------------------------------------------------ checks
 
@@ -258,7 +258,7 @@ async def _proxy_request(request: web.Request, st: RouterState, rid: str,
     if session_key is None:
         user = parsed.get("user")
         session_key = user if isinstance(user, str) and user else None
-    return RequestContext(method=request.method, path_qs=request.path_qs, body=body, parsed=parsed,
+    return RequestContext(method=request.method, path_qs=request.raw_path, body=body, parsed=parsed,
                           model=model, request_id=rid, session_key=session_key, t0=t0,
                           upstream_headers=st.upstream_headers(request, rid))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 _MAX_HEAD = 65536
@@ -47,6 +48,11 @@ class UpstreamClosed(UpstreamError):
 
 class BadResponse(UpstreamError):
     """The upstream sent something that is not HTTP/1.x."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 class _Conn(asyncio.Protocol):
@@ -304,9 +310,17 @@ class Response:
                 w.set_result(None)
 
     # -- reading (from the proxy)
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
+    async def _wait(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = fut = loop.create_future()
+        if timeout is None:
+            await fut
+            return
+        timer = loop.call_later(timeout, _expire, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
 
     def _take(self) -> bytes:
         chunks = self._chunks
@@ -318,22 +332,24 @@ class Response:
             self.conn.transport.resume_reading()
         return data
 
-    async def readany(self) -> bytes:
+    async def readany(self, timeout: float | None = None) -> bytes:
         """The next body bytes; ``b""`` once the body is complete. Raises UpstreamClosed
-        when the connection broke before the body was complete."""
+        when the connection broke before the body was complete, TimeoutError when nothing
+        arrived for ``timeout`` seconds."""
         while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self._done:
                 return b""
-            await self._wait()
+            await self._wait(timeout)
         return self._take()
 
-    async def read(self) -> bytes:
+    async def read(self, idle_timeout: float | None = None) -> bytes:
+        """The whole body; TimeoutError when nothing arrived for ``idle_timeout`` seconds."""
         while not self._done:
             if self._error is not None:
                 raise self._error
-            await self._wait()
+            await self._wait(idle_timeout)
         if self._error is not None:
             raise self._error
         return self._take() if self._chunks else b""
@@ -392,7 +408,7 @@ class _HostPool:
         self.all.add(conn)
         return conn
 
-    async def request(self, data: bytes) -> Response:
+    async def request(self, data: bytes, timeout: float | None) -> Response:
         await self._slots.acquire()
         try:
             for _ in range(2):
@@ -405,9 +421,11 @@ class _HostPool:
                 reused = conn is not None
                 if conn is None:
                     conn = await self._connect()
-                fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+                loop = asyncio.get_running_loop()
+                fut: asyncio.Future[Response] = loop.create_future()
                 conn.head_waiter = fut
                 assert conn.transport is not None
+                timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
                 try:
                     conn.transport.write(data)
                     return await fut
@@ -417,8 +435,11 @@ class _HostPool:
                         continue  # a stale idle connection: once more on a fresh one
                     raise
                 except BaseException:
-                    conn.close()  # cancelled or failed while waiting for the head
+                    conn.close()  # cancelled, timed out or failed while waiting for the head
                     raise
+                finally:
+                    if timer is not None:
+                        timer.cancel()
             raise UpstreamClosed("connection closed before the response head")
         except BaseException:
             self._slots.release()
@@ -449,12 +470,14 @@ class UpstreamPool:
         return hp
 
     async def request(self, base_url: str, method: str, path_qs: str, headers: Iterable[tuple[str, str]],
-                      body: bytes) -> Response:
+                      body: bytes, timeout: float | None = None) -> Response:
+        """Send one request; returns when the response head arrived (TimeoutError after
+        ``timeout`` seconds without it)."""
         hp = self._host(base_url)
         head = [f"{method} {path_qs} HTTP/1.1\r\nHost: {hp.host}:{hp.port}\r\nContent-Length: {len(body)}\r\n"]
         head.extend(f"{k}: {v}\r\n" for k, v in headers)
         head.append("\r\n")
-        return await hp.request("".join(head).encode("utf-8", "surrogateescape") + body)
+        return await hp.request("".join(head).encode("utf-8", "surrogateescape") + body, timeout)
 
     def close(self) -> None:
         for hp in self._hosts.values():
