@@ -148,19 +148,19 @@ class PrefixService:
             chat = path.startswith("/v1/chat/completions")
             if not chat and not path.startswith("/v1/completions"):
                 return
-            ids = await self._ids(m, chat, body)
-            if not ids:
-                self.metrics.child(self.metrics.unreadable, req.model).inc()
-                return
             salt = body.get("cache_salt")
             seed = seed_hash(req.model, None, salt) if isinstance(salt, str) and salt else m.seed
-            req.num_tokens = len(ids)
-            req.hashes = block_hashes(ids, m.block_size, seed)
+            res = await self._blocks(m, chat, body, seed)
+            if res is None:
+                self.metrics.child(self.metrics.unreadable, req.model).inc()
+                return
+            req.num_tokens, req.hashes = res
         except Exception as exc:  # client content must never fail the request
             log.debug("prefix: cannot read prompt of %s: %s", req.request_id, exc)
             self.metrics.child(self.metrics.unreadable, req.model).inc()
 
-    async def _ids(self, m: _Model, chat: bool, body: Mapping[str, Any]) -> list[int] | None:
+    async def _blocks(self, m: _Model, chat: bool, body: Mapping[str, Any],
+                      seed: int) -> tuple[int, list[int]] | None:
         add_gen = body.get("add_generation_prompt", True)
         add_gen = add_gen if isinstance(add_gen, bool) else True
         if m.tok is not None:
@@ -169,22 +169,23 @@ class PrefixService:
                 extra = dict(extra) if isinstance(extra, Mapping) else {}
                 if isinstance(body.get("tools"), list):
                     extra.setdefault("tools", body["tools"])
-                return m.tok.chat_ids(body.get("messages"), add_gen, extra)
-            return m.tok.prompt_ids(body.get("prompt"))
+                return m.tok.chat_blocks(body.get("messages"), add_gen, extra, m.block_size, seed)
+            return m.tok.prompt_blocks(body.get("prompt"), m.block_size, seed)
         assert m.backend is not None
+        ids: list[int] | None = None
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                return None
-            return await m.backend.tokens({"model": m.name, "messages": msgs, "add_generation_prompt": add_gen})
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt
-        if not isinstance(prompt, str) or not prompt:
-            return None
-        return await m.backend.tokens({"model": m.name, "prompt": prompt})
+            if isinstance(msgs, list) and msgs:
+                ids = await m.backend.tokens({"model": m.name, "messages": msgs, "add_generation_prompt": add_gen})
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                ids = prompt
+            elif isinstance(prompt, str) and prompt:
+                ids = await m.backend.tokens({"model": m.name, "prompt": prompt})
+        return (len(ids), block_hashes(ids, m.block_size, seed)) if ids else None
 
     async def lookup(self, req: RoutingRequest) -> dict[str, int]:
         if not req.hashes:

@@ -16,13 +16,14 @@ Three kinds, chosen by ``models.<name>.tokenizer`` in the config:
 * ``backend``: ask a replica's ``POST /tokenize`` (vLLM's API), one call per distinct
   prompt, answers kept in a bounded LRU.
 
-Caching: text is cut into chunks at content-defined boundaries (the first newline after
-``chunk_chars`` characters, or a hard cut at 4 × that), and each chunk's ids are kept in a
-bounded LRU keyed by the chunk's text. Boundaries depend only on the text before them, so
-a growing multi-turn chat re-uses every chunk of its history and only encodes its new
-turn. Ids of a chunked text can differ from encoding the whole text at a chunk seam (BPE
-merges across a newline are rare): routing only needs the same prefix to give the same
-ids every time. ``chunk_chars: 0`` encodes whole texts (engine-exact ids, no chunk cache).
+Caching (:class:`ModelTokenizer`): a rendered text is cut into pieces — after each chat
+message's content, and inside long stretches after the first newline past ``chunk_chars``
+characters (hard cut at 4 × that) — and a bounded LRU keeps, per piece and everything
+before it, the block hashes the piece completed. Cuts depend only on the text before them,
+so a growing multi-turn chat re-uses its whole history and tokenizes and hashes only its
+new turn. Pieces are encoded separately: exact for ``builtin`` (bytes), while for a BPE a
+merge across a seam can differ from encoding the whole text (rare at message ends) —
+routing only needs the same prefix to give the same hashes every time.
 
 Prompt forms: a string, a list of strings (the first is routed on), a list of token ids,
 or a list of lists of ids. Anything unreadable gives ``None`` (never raises): the request
@@ -38,7 +39,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from router.core import bytetok
+from router.core.hashing import block_hashes
 
 Ids = list[int]
 
@@ -197,55 +201,196 @@ class HFTokenizer:
         return str(self.template.render(**kw))
 
 
+class _State:
+    """The hashing state after one piece of a text (cached per piece-prefix key). States
+    link to the state before them, so a cached state yields all hashes of its prefix."""
+
+    __slots__ = ("n", "hashes", "tail", "parent")
+
+    def __init__(self, n: int, hashes: list[int], tail: Ids, parent: _State | None) -> None:
+        self.n = n            # tokens from the start of the text through this piece
+        self.hashes = hashes  # block hashes completed by this piece
+        self.tail = tail      # tokens of the trailing partial block
+        self.parent = parent
+
+    def all_hashes(self) -> list[int]:
+        parts = []
+        st: _State | None = self
+        while st is not None:
+            if st.hashes:
+                parts.append(st.hashes)
+            st = st.parent
+        out: list[int] = []
+        for p in reversed(parts):
+            out += p
+        return out
+
+
+def message_cuts(text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Positions in a rendered chat right after each message's content (found in order)."""
+    cuts, pos = [], 0
+    for m in messages:
+        c = m.get("content")
+        if type(c) is not str:
+            c = content_text(c)
+        if c:
+            i = text.find(c, pos, pos + len(c) + 1024)  # template glue between contents is short
+            if i < 0:
+                i = text.find(c, pos)
+            if i >= 0:
+                pos = i + len(c)
+                cuts.append(pos)
+    return cuts
+
+
 class ModelTokenizer:
-    """Tokenizes one model's prompts with the chunk cache described in the module docstring."""
+    """Tokenizes and block-hashes one model's prompts with a bounded piece cache.
+
+    A text is cut into pieces: after each chat message's content, and inside long stretches
+    at content-defined boundaries (:func:`split_chunks`). Each piece is keyed by a rolling
+    hash of every piece up to it (and the seed and block size), and the cache keeps, per
+    key, the block hashes that piece completed and the partial block it left. A request
+    whose leading pieces are cached resumes from there: a growing chat tokenizes and hashes
+    only its new turn. Pieces are encoded separately (exact for ``builtin``; for BPE a
+    merge across a piece seam can differ from encoding the whole text — routing only needs
+    the same prefix to give the same hashes every time).
+    """
 
     def __init__(self, tok: BuiltinTokenizer | HFTokenizer, cache_entries: int = 8192,
                  chunk_chars: int = 1024) -> None:
         self.tok = tok
-        self.chunk_chars = chunk_chars if tok.kind != "builtin" else 0
+        self.chunk_chars = chunk_chars
         self.cache = LRU(cache_entries)
+        self.short = LRU(1024)  # ids of short pieces by text: template glue between messages
+        self.encoded_chars = 0  # characters actually sent to the tokenizer (cache misses)
 
-    def encode_text(self, text: str, add_special_tokens: bool = False) -> Ids:
-        if self.chunk_chars <= 0:
-            return self.tok.encode(text, add_special_tokens)
-        out: Ids = []
-        cache, encode = self.cache, self.tok.encode
-        for chunk in split_chunks(text, self.chunk_chars):
-            ids = cache.get(chunk)
-            if ids is None:
-                ids = encode(chunk, False)
-                cache.put(chunk, ids)
-            out += ids
-        if add_special_tokens and isinstance(self.tok, HFTokenizer):
-            return self.tok.special_prefix + out + self.tok.special_suffix
+    def _pieces(self, text: str, cuts: Sequence[int] = ()) -> list[str]:
+        out: list[str] = []
+        prev, cc = 0, self.chunk_chars
+        for cut in cuts:
+            if cut - prev > cc:
+                out += split_chunks(text[prev:cut], cc)
+            elif cut > prev:
+                out.append(text[prev:cut])
+            prev = max(prev, cut)
+        if prev < len(text):
+            out += split_chunks(text[prev:], cc)
         return out
 
-    def prompt_ids(self, prompt: Any) -> Ids | None:
-        """Ids of a completions ``prompt`` (the first one of a batch); None if unreadable."""
+    def _specials(self, add_special_tokens: bool) -> tuple[Ids, Ids]:
+        if add_special_tokens and isinstance(self.tok, HFTokenizer):
+            return self.tok.special_prefix, self.tok.special_suffix
+        return [], []
+
+    def encode_text(self, text: str, add_special_tokens: bool = False, cuts: Sequence[int] = ()) -> Ids:
+        """Token ids of ``text`` encoded piece by piece (the ids the hashes are made of)."""
+        pre, post = self._specials(add_special_tokens)
+        out: Ids = list(pre)
+        for piece in self._pieces(text, cuts):
+            out += self.tok.encode(piece, False)
+        return out + post
+
+    def text_blocks(self, text: str, block_size: int, seed: int, add_special_tokens: bool = False,
+                    cuts: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """(number of tokens, chained block hashes) of ``text``, resuming from the cache."""
+        pre, post = self._specials(add_special_tokens)
+        pieces = self._pieces(text, cuts)
+        cache, digest = self.cache, xxhash.xxh3_64_intdigest
+        key = digest(b"%d:%d" % (block_size, len(pre)), seed)
+        keys = []
+        for piece in pieces:
+            key = digest(piece.encode("utf-8", "surrogatepass"), key)
+            keys.append(key)
+        i = len(pieces)
+        st: _State | None = None
+        while i > 0:  # the longest cached prefix, searched from the end (usually 1–2 probes)
+            st = cache.get(keys[i - 1])
+            if st is not None:
+                break
+            i -= 1
+        if st is not None:
+            hashes, n, tail = st.all_hashes(), st.n, st.tail
+        else:
+            hashes, n, tail = [], len(pre), list(pre)
+        short = self.short
+        for j in range(i, len(pieces)):
+            piece = pieces[j]
+            ids = short.get(piece) if len(piece) <= 64 else None
+            if ids is None:
+                ids = self.tok.encode(piece, False)
+                self.encoded_chars += len(piece)
+                if len(piece) <= 64:
+                    short.put(piece, ids)
+            buf = tail + ids
+            full = len(buf) // block_size * block_size
+            new = block_hashes(buf[:full], block_size, seed, parent=hashes[-1] if hashes else None)
+            hashes += new
+            n += len(ids)
+            tail = buf[full:]
+            st = _State(n, new, tail, st)
+            cache.put(keys[j], st)
+        if post:
+            buf = tail + post
+            full = len(buf) // block_size * block_size
+            hashes += block_hashes(buf[:full], block_size, seed, parent=hashes[-1] if hashes else None)
+            n += len(post)
+        return n, hashes
+
+    # -- request bodies ---------------------------------------------------------------
+    def _render(self, messages: Any, add_generation_prompt: bool,
+                extra: Mapping[str, Any] | None) -> str | None:
+        if type(messages) is not list or not messages:
+            return None
+        for m in messages:
+            if type(m) is not dict and not isinstance(m, Mapping):
+                return None
+        try:
+            return self.tok.render_chat(messages, add_generation_prompt, extra)
+        except Exception:
+            return None
+
+    @staticmethod
+    def _prompt(prompt: Any) -> str | Ids | None:
         if isinstance(prompt, str):
-            return self.encode_text(prompt, True) if prompt else None
+            return prompt or None
         if _is_ids(prompt):
             return prompt
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
             if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-                return self.encode_text(first, True) if first else None
+                return first or None
             if _is_ids(first):
                 return first
         return None
+
+    def prompt_ids(self, prompt: Any) -> Ids | None:
+        """Ids of a completions ``prompt`` (the first one of a batch); None if unreadable."""
+        p = self._prompt(prompt)
+        return self.encode_text(p, True) if isinstance(p, str) else p
 
     def chat_ids(self, messages: Any, add_generation_prompt: bool = True,
                  extra: Mapping[str, Any] | None = None) -> Ids | None:
         """Ids of chat ``messages`` rendered with the model's template; None if unreadable
         (not a list of objects, or the template raised)."""
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        text = self._render(messages, add_generation_prompt, extra)
+        return None if text is None else self.encode_text(text, False, message_cuts(text, messages))
+
+    def prompt_blocks(self, prompt: Any, block_size: int, seed: int) -> tuple[int, list[int]] | None:
+        """(tokens, block hashes) of a completions ``prompt``; None if unreadable."""
+        p = self._prompt(prompt)
+        if p is None:
             return None
-        try:
-            text = self.tok.render_chat(messages, add_generation_prompt, extra)
-        except Exception:
+        if isinstance(p, str):
+            return self.text_blocks(p, block_size, seed, True)
+        return len(p), block_hashes(p, block_size, seed)
+
+    def chat_blocks(self, messages: Any, add_generation_prompt: bool, extra: Mapping[str, Any] | None,
+                    block_size: int, seed: int) -> tuple[int, list[int]] | None:
+        """(tokens, block hashes) of chat ``messages``; None if unreadable."""
+        text = self._render(messages, add_generation_prompt, extra)
+        if text is None:
             return None
-        return self.encode_text(text, False)
+        return self.text_blocks(text, block_size, seed, False, message_cuts(text, messages))
 
 
 def load_tokenizer(spec: str, cache_entries: int = 8192, chunk_chars: int = 1024) -> ModelTokenizer | None:
@@ -253,7 +398,7 @@ def load_tokenizer(spec: str, cache_entries: int = 8192, chunk_chars: int = 1024
     if spec == "backend":
         return None
     if spec == "builtin":
-        return ModelTokenizer(BuiltinTokenizer(), cache_entries, 0)
+        return ModelTokenizer(BuiltinTokenizer(), cache_entries, chunk_chars)
     return ModelTokenizer(HFTokenizer(spec), cache_entries, chunk_chars)
 
 

@@ -54,7 +54,6 @@ import logging
 import math
 import time
 from array import array
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,7 +62,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from router.index.base import IndexEvents
-from router.index.resp import RespConnection, RespError
+from router.index.resp import RespConnection, RespError, encode_command
 
 log = logging.getLogger("kvrouter.index.redis")
 
@@ -224,7 +223,8 @@ class RedisIndex:
     def __init__(self, url: str, namespace: str = "kvrouter", ttl_s: float = 3600.0,
                  default_capacity: int = 100_000, capacities: Mapping[str, int] | None = None,
                  timeout_s: float = 0.25, retry_s: float = 1.0, batch_max: int = 256,
-                 max_pending: int = 10_000, events: IndexEvents | None = None,
+                 max_pending: int = 10_000, flush_interval_s: float = 0.005,
+                 events: IndexEvents | None = None,
                  client: Any = None) -> None:
         self.url = url
         self.ns = namespace
@@ -234,6 +234,7 @@ class RedisIndex:
         self.retry_s = retry_s
         self.batch_max = batch_max
         self.max_pending = max_pending
+        self.flush_interval_s = flush_interval_s
         self.events = events or IndexEvents()
         self.client = client or aioredis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -242,12 +243,16 @@ class RedisIndex:
         self._lookup_sha = hashlib.sha1(LOOKUP_LUA.encode()).hexdigest().encode()
         self._conn: RespConnection | None = None
         self._conn_lock = asyncio.Lock()
-        self._record = self.client.register_script(RECORD_LUA)
+        self._record_sha = hashlib.sha1(RECORD_LUA.encode()).hexdigest().encode()
+        self._wconn: RespConnection | None = None
+        self.write_timeout_s = max(5.0, timeout_s)
         self._remove = self.client.register_script(REMOVE_LUA)
         self._clear = self.client.register_script(CLEAR_LUA)
         self._prefix: dict[str, tuple[list[bytes], bytes]] = {}  # model -> ([meta key], key prefix)
         self._known_models: set[str] = set()
-        self._pending: deque[tuple[str, bytes, str]] = deque()
+        # (model, packed hashes, replica) in arrival order; a repeat within one batch window is
+        # written once (dict keys), so a hot prefix costs one script run per window
+        self._pending: dict[tuple[str, bytes, str], None] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -272,9 +277,10 @@ class RedisIndex:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in (self._conn, self._wconn):
+            if conn is not None:
+                conn.close()
+        self._conn = self._wconn = None
         with contextlib.suppress(Exception):
             await self.client.aclose()
 
@@ -362,10 +368,10 @@ class RedisIndex:
         if not hashes:
             return
         if len(self._pending) >= self.max_pending:
-            self._pending.popleft()
+            del self._pending[next(iter(self._pending))]
             self.dropped += 1
             self.events.error("record")
-        self._pending.append((model, pack_hashes(hashes), replica))
+        self._pending[(model, pack_hashes(hashes), replica)] = None
         self._idle.clear()
         self._wake.set()
 
@@ -382,6 +388,8 @@ class RedisIndex:
     async def _writer(self) -> None:
         while True:
             await self._wake.wait()
+            if self.flush_interval_s > 0:
+                await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             self._wake.clear()
             while self._pending:
                 await self._write_batch()
@@ -390,27 +398,49 @@ class RedisIndex:
     async def _write_batch(self) -> None:
         if not self._pending:
             return
-        batch = [self._pending.popleft() for _ in range(min(self.batch_max, len(self._pending)))]
+        it = iter(self._pending)
+        batch = [next(it) for _ in range(min(self.batch_max, len(self._pending)))]
+        for item in batch:
+            del self._pending[item]
         if not self._available():
             self.dropped += len(batch)
             self.events.error("record")
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for model in {m for m, _, _ in batch} - self._known_models:
-                pipe.sadd(f"{self.ns}:models", model)
-            for model, packed, replica in batch:
-                keys, prefix = self._keys(model)
-                await self._record(keys=keys, args=[replica, packed, prefix, self.capacity(replica),
-                                                    self.ttl_ms, GENERATIONS, BUCKET_TARGET],
-                                   client=pipe)
-            await pipe.execute()
-            self._known_models.update(m for m, _, _ in batch)
+            await self._send_records(batch)
         except Exception as exc:
+            if self._wconn is not None:
+                self._wconn.close()
+                self._wconn = None
             self.dropped += len(batch)
             self._failed("record", exc)
             return
         self._ok()
+
+    async def _send_records(self, batch: list[tuple[str, bytes, str]]) -> None:
+        """One pipelined write of every record script call (and new model names)."""
+        conn = self._wconn
+        if conn is None or conn.closed:
+            conn = self._wconn = await RespConnection.open(self.url, self.timeout_s)
+        new_models = {m for m, _, _ in batch} - self._known_models
+        cmds = [encode_command((b"SADD", f"{self.ns}:models", m)) for m in new_models]
+        calls = []
+        for model, packed, replica in batch:
+            keys, prefix = self._keys(model)
+            calls.append(encode_command((b"EVALSHA", self._record_sha, b"1", keys[0], replica, packed, prefix,
+                                         self.capacity(replica), self.ttl_ms, GENERATIONS, BUCKET_TARGET)))
+        async with asyncio.timeout(self.write_timeout_s):
+            replies = await asyncio.gather(*conn.call_many(cmds + calls))
+            retry = [c for c, r in zip(calls, replies[len(cmds):], strict=True)
+                     if isinstance(r, RespError) and str(r).startswith("NOSCRIPT")]
+            if retry:
+                await conn.call_many([encode_command((b"SCRIPT", b"LOAD", RECORD_LUA))])[0]
+                replies = await asyncio.gather(*conn.call_many(retry))
+        errors = [r for r in replies if isinstance(r, RespError)]
+        if errors:
+            self.events.error("record")
+            log.warning("redis index: %d record(s) failed: %s", len(errors), errors[0])
+        self._known_models.update(new_models)
 
     async def _models(self) -> list[str]:
         return [m.decode() for m in await self.client.smembers(f"{self.ns}:models")]

@@ -114,6 +114,18 @@ class RespConnection(asyncio.Protocol):
         self.transport.write(encode_command(args))
         return fut
 
+    def call_many(self, commands: list[bytes]) -> list[asyncio.Future[Any]]:
+        """Send already-encoded commands in one write (a pipeline); one future per command."""
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
+        if self.closed or self.transport is None:
+            for f in futs:
+                f.set_exception(ConnectionError("redis connection closed"))
+            return futs
+        self._waiters.extend(futs)
+        self.transport.write(b"".join(commands))
+        return futs
+
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:

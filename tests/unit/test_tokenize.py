@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from router.core import bytetok
+from router.core.hashing import block_hashes, seed_hash
 from router.tokenize import BackendTokenizer, HFTokenizer, ModelTokenizer, load_tokenizer, split_chunks
 
 TEMPLATE = (
@@ -87,32 +88,43 @@ def test_chunks_depend_only_on_the_text_before_them() -> None:
     assert split_chunks("y" * 3000, 256) == ["y" * 1024, "y" * 1024, "y" * 952]
 
 
-def test_growing_chat_only_encodes_its_new_turn(model_dir: Path) -> None:
+def test_growing_chat_only_tokenizes_and_hashes_its_new_turn(model_dir: Path) -> None:
     hf = HFTokenizer(model_dir)
-    calls: list[int] = []
-    real = hf.encode
-
-    def counting(text: str, add_special_tokens: bool = False) -> list[int]:
-        calls.append(len(text))
-        return real(text, add_special_tokens)
-
-    hf.encode = counting  # type: ignore[method-assign]
-    mt = ModelTokenizer(hf, cache_entries=64, chunk_chars=128)
+    mt = ModelTokenizer(hf, cache_entries=256, chunk_chars=128)
+    seed, bs = seed_hash("m"), 4
     history = [{"role": "system", "content": "the quick brown fox\n" * 40}]
     for turn in range(6):
         history.append({"role": "user", "content": f"question {turn} jumps over the dog\n" * 8})
-        calls.clear()
-        ids = mt.chat_ids(history)
-        encoded = sum(calls)
+        before = mt.encoded_chars
+        n, hashes = mt.chat_blocks(history, True, None, bs, seed)
+        encoded = mt.encoded_chars - before
         total = len(hf.render_chat(history, True))
-        if turn >= 2:
-            assert encoded < 0.45 * total, (turn, encoded, total)
-        assert ids == mt.chat_ids(history)  # same prompt, same ids
+        # the same ids as encoding the pieces without any cache, hashed in one go
+        ids = mt.chat_ids(history)
+        assert (n, hashes) == (len(ids), block_hashes(ids, bs, seed))
+        if turn:
+            assert encoded < 0.3 * total, (turn, encoded, total)
+        assert mt.chat_blocks(history, True, None, bs, seed) == (n, hashes)
         history.append({"role": "assistant", "content": f"answer {turn}"})
-    assert len(mt.cache) <= 64
+    assert len(mt.cache) <= 256
     small = ModelTokenizer(hf, cache_entries=4, chunk_chars=16)
-    small.encode_text("".join(f"line {i} of text\n" for i in range(100)))
+    small.text_blocks("".join(f"line {i} of text\n" for i in range(100)), bs, seed)
     assert len(small.cache) == 4
+
+
+def test_blocks_are_exact_for_builtin_and_carry_salt_and_specials(model_dir: Path) -> None:
+    mt = load_tokenizer("builtin", chunk_chars=64)
+    msgs = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "u" * 100}]
+    ids = bytetok.encode(bytetok.render_chat(msgs, True))
+    assert mt.chat_blocks(msgs, True, None, 16, 7) == (len(ids), block_hashes(ids, 16, 7))
+    assert mt.prompt_blocks([1, 2, 3, 4], 2, 7) == (4, block_hashes([1, 2, 3, 4], 2, 7))
+    assert mt.prompt_blocks(None, 2, 7) is None and mt.chat_blocks([], True, None, 2, 7) is None
+    hf = ModelTokenizer(HFTokenizer(model_dir), chunk_chars=32)
+    text = "the lazy dog jumps\n" * 20
+    n, hashes = hf.prompt_blocks(text, 4, 9)
+    ids = hf.prompt_ids(text)
+    assert ids[0] == 1 and (n, hashes) == (len(ids), block_hashes(ids, 4, 9))
+    assert hf.prompt_blocks(text, 4, 10)[1][0] != hashes[0]  # another seed (salt): other hashes
 
 
 async def test_backend_tokenize_over_http_is_cached() -> None:
