@@ -397,3 +397,48 @@ async def _until(cond, timeout: float = 10.0) -> None:
         if loop.time() > end:
             pytest.fail("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+async def test_hop_by_hop_stripped_and_request_id_generated():
+    async with fleet({}) as engines, start_router(engines) as router:
+        st, h, _ = await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"},
+                              headers={"TE": "trailers", "Proxy-Authorization": "Basic x", "X-Custom": "kept",
+                                       "Upgrade": "h2c", "Accept-Encoding": "gzip"})
+        assert st == 200
+        rid = h["x-request-id"]
+        assert len(rid) == 24 and rid.isalnum()
+        _, hdrs, _ = engines[0].seen[0]
+        assert hdrs["X-Custom"] == "kept" and hdrs["X-Request-Id"] == rid
+        for gone in ("TE", "Proxy-Authorization", "Upgrade", "Accept-Encoding"):
+            assert gone not in hdrs, gone
+        assert "x-engine" in h  # the engine's own response headers come back
+
+
+async def test_header_limits_give_a_4xx():
+    async with fleet({}) as engines, start_router(engines, limits={"max_header_field_bytes": 1024}) as router:
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions",
+                                                        json={"model": MODEL, "prompt": "x"},
+                                                        headers={"X-Big": "a" * 4000}) as r:
+            assert 400 <= r.status < 500
+        assert engines[0].seen == []
+
+
+async def test_json_request_log_has_id_replica_and_reason():
+    import io
+
+    from router.config import LoggingConfig
+    from router.logs import setup_logging
+
+    buf = io.StringIO()
+    setup_logging(LoggingConfig(format="json", level="info"), stream=buf)
+    try:
+        async with fleet({}) as engines, start_router(engines, logging={"requests": True}) as router:
+            st, h, _ = await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"},
+                                  headers={"X-Request-Id": "log-me"})
+            assert st == 200
+    finally:
+        setup_logging(LoggingConfig())
+    lines = [orjson.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    rec = next(x for x in lines if x.get("request_id") == "log-me")
+    assert rec["replica"] == "e0" and rec["reason"] == "round_robin" and rec["status"] == 200
+    assert rec["model"] == MODEL and rec["level"] == "info" and rec["ms"] >= 0
