@@ -39,6 +39,7 @@ from backends.sim.engine import EngineConfig, EngineModel, Request
 from loadtest.hitrate import chain_keys, ideal_infinite, ideal_pooled_lru
 from loadtest.summary import load_imbalance, percentile
 from loadtest.traces.types import TraceRequest
+from router.core.kv_tracker import apply_engine_events
 from router.core.prefix_index import PrefixIndex
 from router.core.scheduler import default_registry
 from router.core.types import ReplicaState, RoutingRequest
@@ -65,6 +66,7 @@ class OfflineConfig:
     index_ttl_s: float | None = None
     speed: float = 1.0
     seed: int = 0
+    tracking: str = "approx"  # approx: the router's own records; exact: plus the engines' KV events
 
 
 @dataclass(slots=True)
@@ -127,7 +129,8 @@ class _Fleet:
         self.ids = [f"r{i}" for i in range(cfg.replicas)]
         ecfg = EngineConfig(num_blocks=roof.kv_capacity_blocks, block_size=cfg.engine_block_size,
                             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            max_model_len=max_model_len, model=cfg.model, seed=cfg.seed)
+                            max_model_len=max_model_len, model=cfg.model, seed=cfg.seed,
+                            record_kv_events=cfg.tracking == "exact")
         self.engines = [EngineModel(ecfg, roof) for _ in self.ids]
         self.states = [ReplicaState(id=rid, capacity_blocks=roof.kv_capacity_blocks) for rid in self.ids]
         self.scheduled = [False] * cfg.replicas
@@ -180,6 +183,10 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
                     fleet.scheduled[e] = False
                     continue
                 res = eng.fast_forward(now, until=t_arr)
+                if eng.kv.record_events:  # exact tracking: the engine's events reach the index
+                    events_out = eng.drain_kv_events()
+                    if index is not None:
+                        apply_engine_events(index, fleet.ids[e], events_out, res.end)
                 for r in res.finished:
                     seq += 1
                     heapq.heappush(events, (res.end, seq, DONE, r))
@@ -318,7 +325,8 @@ def run_offline_cli(args: Any, requests: list[TraceRequest]) -> int:
         raise ValueError(f"unknown policy {', '.join(bad)}; known: {', '.join(known)}")
     cfg = OfflineConfig(replicas=args.replicas, gpu=args.gpu, model=args.model or "llama-3.1-8b",
                         engine_block_size=args.engine_block_size, policy_options=dict(args.policy_option),
-                        speed=args.speed, seed=args.seed)
+                        speed=args.speed, seed=args.seed, scrape_interval_s=max(0.0, args.scrape_interval),
+                        index_capacity_blocks=args.index_capacity)
     try:
         roofline_for(cfg)
     except Exception as exc:  # planner errors name the bad preset

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="policy option KEY=VALUE (repeatable)")
     off.add_argument("--engine-block-size", type=_positive(int), default=16,
                      help="KV block size of the simulated engines and the router's index")
+    off.add_argument("--scrape-interval", type=float, default=1.0,
+                     help="virtual seconds between the router's engine-load scrapes (0 = always exact)")
+    off.add_argument("--index-capacity", type=_positive(int), default=None,
+                     help="prefix-index blocks per replica (default: the replica's KV capacity)")
     off.add_argument("--plot", default=None, metavar="FILE.png", help="hit rate and TTFT CDF per policy")
     return p
 
