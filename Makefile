@@ -25,3 +25,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: chaos
+chaos: install  ## faults under load: exits non-zero when a request is lost or hung (docs/reliability.md)
+	$(BIN)/python -m loadtest.chaos $(CHAOS_ARGS)
