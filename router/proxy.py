@@ -223,9 +223,11 @@ class Proxy:
             ctx.status = last.status
             return web.Response(status=last.status, body=last.body, headers=self._filter(last.headers, ctx))
         if last is not None:
-            ctx.status = 502
-            return error_response(502, f"upstream failed after {ctx.attempts} attempt(s): {last.reason}",
-                                  "upstream_error", "upstream_unavailable",
+            timed_out = last.status == 504
+            ctx.status = 504 if timed_out else 502
+            return error_response(ctx.status, f"upstream failed after {ctx.attempts} attempt(s): {last.reason}",
+                                  "timeout" if timed_out else "upstream_error",
+                                  "upstream_timeout" if timed_out else "upstream_unavailable",
                                   headers={self.request_id_header: ctx.request_id})
         ctx.status = 503
         return error_response(503, why or f"no healthy replica for model {ctx.model!r}", "service_unavailable",

@@ -442,3 +442,15 @@ async def test_json_request_log_has_id_replica_and_reason():
     rec = next(x for x in lines if x.get("request_id") == "log-me")
     assert rec["replica"] == "e0" and rec["reason"] == "round_robin" and rec["status"] == 200
     assert rec["model"] == MODEL and rec["level"] == "info" and rec["ms"] >= 0
+
+
+async def test_first_byte_timeout_retried_then_504():
+    async with fleet({"delay": 3.0}, {}) as engines, \
+            start_router(engines, upstream={"first_byte_timeout_s": 0.5}) as router:
+        st, h, _ = await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert st == 200 and h["x-kvrouter-replica"] == "e1"  # e0 too slow: retried on e1
+        await _until(lambda: engines[0].running == 0)  # the abandoned attempt was closed upstream
+    async with fleet({"delay": 3.0}, {"delay": 3.0}) as engines, \
+            start_router(engines, upstream={"first_byte_timeout_s": 0.3}) as router:
+        st, _, b = await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert_openai_error(st, b, 504, "upstream_timeout")
