@@ -120,23 +120,25 @@ class KVCache:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue (evicting cached ones).
-        The caller checks :meth:`can_allocate` first; raises if there are too few."""
-        if n > len(self.free):
-            raise MemoryError(f"need {n} blocks, {len(self.free)} free")
-        out: list[int] = []
-        popitem, ref, hash_of, cached = self.free.popitem, self.ref, self.hash_of, self.cached
-        for _ in range(n):
-            b = popitem(last=False)[0]
-            h = hash_of[b]
-            if h is not None:
-                hash_of[b] = None
-                if cached.get(h) == b:
-                    del cached[h]
-                    self.evictions += 1
-                    if self.record_events:
-                        self.events.append(BlockRemoved((h,)))
+        The caller checks :meth:`can_allocate` first; raises if there are too few.
+        (Bulk list operations: this is the hot path of long offline simulations.)"""
+        free = self.free
+        if n > len(free):
+            raise MemoryError(f"need {n} blocks, {len(free)} free")
+        pop = free.popitem
+        out = [pop(False)[0] for _ in range(n)]
+        hash_of = self.hash_of
+        evicted = [h for h in map(hash_of.__getitem__, out) if h is not None]
+        if evicted:
+            # invariant: hash_of[b] == h  <=>  cached[h] == b
+            for h in evicted:
+                hash_of[self.cached.pop(h)] = None
+            self.evictions += len(evicted)
+            if self.record_events:
+                self.events.extend(BlockRemoved((h,)) for h in evicted)
+        ref = self.ref
+        for b in out:
             ref[b] = 1
-            out.append(b)
         return out
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -153,18 +155,30 @@ class KVCache:
         """Register computed full ``blocks`` under ``hashes`` (same length). A hash already
         cached under another block is skipped (that block stays uncached). Returns the
         number newly cached; records one :class:`BlockStored` for them when enabled."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not blocks:
             return 0
         cached, hash_of = self.cached, self.hash_of
-        new = 0
-        contiguous = True
-        for b, h in zip(blocks, hashes, strict=True):
-            if h in cached or hash_of[b] is not None:
+        contiguous = (not any(map(cached.__contains__, hashes))
+                      and list(map(hash_of.__getitem__, blocks)).count(None) == len(blocks))
+        if contiguous:  # the usual case: every hash new, every block unhashed
+            n_before = len(cached)
+            cached.update(zip(hashes, blocks, strict=True))
+            if len(cached) - n_before != len(blocks):  # a hash repeated within `hashes`: undo
+                for h in hashes:
+                    cached.pop(h, None)
                 contiguous = False
-                continue
-            cached[h] = b
-            hash_of[b] = h
-            new += 1
+        if contiguous:
+            for b, h in zip(blocks, hashes, strict=True):
+                hash_of[b] = h
+            new = len(blocks)
+        else:  # one by one (hashes cached by another request, shared blocks, repeats)
+            new = 0
+            for b, h in zip(blocks, hashes, strict=True):
+                if h in cached or hash_of[b] is not None:
+                    continue
+                cached[h] = b
+                hash_of[b] = h
+                new += 1
         if self.record_events and new:
             if contiguous:
                 self.events.append(BlockStored(tuple(hashes), parent, tuple(token_ids),

@@ -182,9 +182,17 @@ def test_spec_decode_tokens_per_step_and_counters():
     assert all(r.num_output == 2000 for r in reqs)
 
 
-def test_fast_forward_matches_step_by_step():
+class KinkedCost(LinearCost):
+    """Not affine in the KV read: fast-forward must fall back to step-by-step sums."""
+
+    def step_time_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
+        return 0.001 + 1e-4 * prefill_tokens + max(0.002, 2e-6 * kv_tokens_read)
+
+
+@pytest.mark.parametrize("cost", [LinearCost(), KinkedCost()])
+def test_fast_forward_matches_step_by_step(cost):
     def workload(fast: bool) -> list[tuple[float, int]]:
-        eng = engine(block_size=16)
+        eng = engine(block_size=16, cost=cost)
         reqs = [Request(str(i), 30 + 7 * i, 40 + 13 * i, block_hashes=[]) for i in range(6)]
         for r in reqs:
             eng.submit(r, 0.0)
@@ -199,12 +207,23 @@ def test_fast_forward_matches_step_by_step():
         assert tf == pytest.approx(ts, rel=1e-9)
 
 
-def test_fast_forward_stops_at_until():
-    eng = engine()
-    eng.submit(Request("a", 10, 1000, block_hashes=[]), 0.0)
-    eng.step(0.0)  # prefill
-    res = eng.fast_forward(0.0, until=0.05)
-    assert res.steps > 1 and res.end >= 0.05 and res.end - res.duration / res.steps < 0.05
+@pytest.mark.parametrize("cost", [LinearCost(), KinkedCost()])
+def test_fast_forward_stops_at_until_like_single_steps(cost):
+    def run_until(fast: bool) -> tuple[int, float]:
+        eng = engine(cost=cost)
+        r = Request("a", 10, 1000, block_hashes=[])
+        eng.submit(r, 0.0)
+        t = eng.step(0.0).end  # prefill
+        if fast:
+            res = eng.fast_forward(t, until=0.5)
+            assert res.steps > 1
+            return r.num_output, res.end
+        while t < 0.5:
+            t = eng.step(t).end
+        return r.num_output, t
+
+    (n_slow, t_slow), (n_fast, t_fast) = run_until(False), run_until(True)
+    assert n_fast == n_slow and t_fast == pytest.approx(t_slow, rel=1e-9) and t_fast >= 0.5
 
 
 def test_busy_engine_does_not_start_a_step_before_the_last_one_ends():

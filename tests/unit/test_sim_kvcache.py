@@ -71,3 +71,12 @@ def test_prefix_caching_disabled_never_caches():
     a = kv.allocate(2)
     assert kv.store(a, [1, 2], None) == 0
     assert kv.match([1, 2], 2) == []
+
+
+def test_repeated_hash_within_one_store_keeps_the_invariant():
+    kv = KVCache(4, 4)
+    a = kv.allocate(3)
+    assert kv.store(a, [5, 6, 5], None) == 2
+    kv.release(a)
+    kv.allocate(4)  # evicts everything without error
+    assert kv.num_cached == 0 and kv.evictions == 2
