@@ -89,3 +89,4 @@ def register_all(reg: Registry) -> None:
     reg.register("power_of_two", PowerOfTwo)
     reg.register("session", __import__("router.core.session", fromlist=["x"]).SessionAffinity)
     reg.register("cache_aware", __import__("router.core.cache_aware", fromlist=["x"]).CacheAware)
+    reg.register("weighted", __import__("router.core.weighted", fromlist=["x"]).build)

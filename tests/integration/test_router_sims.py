@@ -20,10 +20,10 @@ from router.server import Server
 MODEL = "llama-3.1-8b"
 
 
-def cfg(sims: list[Any], policy: str = "round_robin", **sections: Any) -> Config:
+def cfg(sims: list[Any], name: str = "round_robin", **sections: Any) -> Config:
     d: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "policy": {"name": policy},
+        "policy": {"name": name},
         "replicas": [{"id": f"s{i}", "url": s.url, "models": [MODEL]} for i, s in enumerate(sims)],
         "health": {"interval_s": 0.3, "timeout_s": 1.0, "failure_threshold": 1, "success_threshold": 1},
         "scrape": {"interval_s": 0.3},
@@ -35,8 +35,8 @@ def cfg(sims: list[Any], policy: str = "round_robin", **sections: Any) -> Config
 
 
 @contextlib.asynccontextmanager
-async def router(sims: list[Any], policy: str = "round_robin", **sections: Any):
-    server = await Server(cfg(sims, policy, **sections), seed=1).start()
+async def router(sims: list[Any], name: str = "round_robin", **sections: Any):
+    server = await Server(cfg(sims, name, **sections), seed=1).start()
     try:
         yield server
     finally:
@@ -189,3 +189,17 @@ async def test_disconnect_mid_stream_frees_router_and_engine(sims3):
         took = await until(lambda: all(st.in_flight == 0 for st in r.state.pool.all_states()))
         took_engine = await until(engines_idle)
         assert took < 1.5 and took_engine < 2.5  # cancelled within ~1 s (margin for a loaded machine)
+
+
+async def test_weighted_from_yaml_spreads_by_load(sims3):
+    options = {"scorers": {"load": 1.0, "kv_usage": 0.1}, "filters": {"max_kv_usage": 0.99}}
+    async with router(sims3, "weighted", policy={"name": "weighted", "options": options}) as r, \
+            aiohttp.ClientSession() as s:
+        streams = [await _open_stream(s, r.url) for _ in range(3)]
+        try:
+            assert sorted(x.headers["x-kvrouter-replica"] for x in streams) == ["s0", "s1", "s2"]
+        finally:
+            for x in streams:
+                x.close()
+        text = await (await s.get(r.url + "/metrics")).text()
+        assert 'kvrouter_decisions_total{policy="weighted",reason="weighted"} 3.0' in text
