@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvrouter replay",
         description="Replay a trace live (--target URL) or offline in virtual time (--offline).")
     p.add_argument("trace", help="trace file: Mooncake, Bailian-style or OpenAI-body JSONL")
-    p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
+    p.add_argument("--format", default="auto", choices=["auto", *FORMATS],
+                   help="trace format (default: sniffed from the first record)")
     p.add_argument("--block-size", type=_positive(int), default=None,
                    help="tokens per trace hash id (default: mooncake 512, bailian/openai 16)")
     p.add_argument("--limit", type=_positive(int), default=None, help="replay only the first N requests")
@@ -64,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", default=None,
                       help="model name (live: default the target's first model; offline: planner preset, "
                            "default llama-3.1-8b)")
-    live.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    live.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                      help="API for prompts built from hash ids (OpenAI-body traces keep their own)")
     live.add_argument("--prompt-mode", default="text", choices=["text", "tokens"],
                       help="ASCII text (block-exact with the byte tokenizer) or token-id prompts")
-    live.add_argument("--max-concurrency", type=_positive(int), default=256)
+    live.add_argument("--max-concurrency", type=_positive(int), default=256,
+                      help="most requests in flight; a full window delays the next send")
     live.add_argument("--duration", type=_positive(float), default=None,
                       help="send nothing after this many seconds")
     live.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request timeout (s)")
@@ -86,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="progress bar on stderr (default: when stderr is a terminal)")
     off = p.add_argument_group("offline replay")
     off.add_argument("--offline", action="store_true", help="simulate the fleet in virtual time")
-    off.add_argument("--replicas", type=_positive(int), default=8)
+    off.add_argument("--replicas", type=_positive(int), default=8, help="simulated engines")
     off.add_argument("--gpu", default="h100-80gb", help="GPU preset")
     off.add_argument("--policy", default=None, help="one policy (default cache_aware)")
     off.add_argument("--policies", default=None, help="comma-separated policies to compare")

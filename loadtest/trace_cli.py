@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stats", help="print the shape of a trace and its ideal hit rates")
     s.add_argument("file")
-    s.add_argument("--format", default="auto", choices=["auto", *FORMATS])
+    s.add_argument("--format", default="auto", choices=["auto", *FORMATS],
+                   help="trace format (default: sniffed from the first record)")
     s.add_argument("--block-size", type=int, default=None,
                    help="tokens per hash id (default: mooncake 512, bailian 16, openai 16)")
     s.add_argument("--limit", type=int, default=None, help="read only the first N requests")
@@ -120,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     g = sub.add_parser("generate", help="write a seeded synthetic trace as Mooncake JSONL")
     g.add_argument("kind", choices=sorted(GENERATORS))
-    g.add_argument("--out", required=True)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--out", required=True, help="output file (Mooncake JSONL)")
+    g.add_argument("--seed", type=int, default=0, help="same seed and parameters, same trace")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
     g.add_argument("--param", type=_param, action="append", default=[],
                    help="generator argument KEY=VALUE (JSON values; lists become ranges)")
     return p
