@@ -88,11 +88,14 @@ class SimServer:
 
     # -- clock and driver -------------------------------------------------------------------
     def now(self) -> float:
-        """The simulated time of an arrival happening now."""
+        """The simulated time of an arrival happening now: while idle, wall time ÷ scale since
+        the engine went idle; while busy, within the step in progress (a request arriving
+        during a step joins the next one, which starts when this one ends)."""
         if self.scale <= 0:
             return self.sim_now
         wall, sim = self._anchor
-        return max(self.sim_now if self._idle else sim, sim + (time.monotonic() - wall) / self.scale)
+        t = max(self.sim_now, sim + (time.monotonic() - wall) / self.scale)
+        return t if self._idle else min(t, max(self.engine.busy_until, self.sim_now))
 
     async def _drive(self) -> None:
         eng, scale = self.engine, self.scale
@@ -106,11 +109,12 @@ class SimServer:
                 await self._wake.wait()
                 self._wake.clear()
                 if scale > 0:
-                    self._anchor = (time.monotonic(), max(self.sim_now, self.now()))
+                    self.sim_now = self.now()
+                    self._anchor = (time.monotonic(), self.sim_now)
                 self._idle = False
                 last_yield = time.monotonic()
                 continue
-            res = eng.step(self.now())
+            res = eng.step(self.sim_now)  # back to back while busy
             if res.steps == 0:  # nothing schedulable (should not happen): do not spin
                 await asyncio.sleep(0.001)
                 continue
