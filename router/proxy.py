@@ -46,7 +46,6 @@ HOP_BY_HOP = frozenset({
 # also not forwarded upstream: we ask the engine for identity encoding (so streams can be
 # cut on event boundaries) and handle client auth ourselves
 REQUEST_DROP = HOP_BY_HOP | {"accept-encoding"}
-_RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 
 _DONE = b"data: [DONE]\n\n"
 _TAIL = 8192  # bytes of a stream kept to read the final usage chunk
@@ -235,7 +234,7 @@ class Proxy:
                                                              "Retry-After": "1"})
 
     def _filter(self, headers: list[tuple[str, str]], ctx: RequestContext) -> dict[str, str]:
-        out = {k: v for k, v in headers if k.lower() not in _RESPONSE_DROP}
+        out = dict(headers)  # router.upstream already left out hop-by-hop, framing, Date and Server
         out[self.request_id_header] = ctx.request_id
         if self.replica_header:
             out[self.replica_header] = ctx.replica

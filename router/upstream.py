@@ -31,6 +31,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 _MAX_HEAD = 65536
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
+# not kept in Response.headers (hop-by-hop, or set again by the router's own server)
+_NOT_FORWARDED = frozenset({"keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer", "trailers",
+                            "upgrade", "date", "server"})
 _HIGH_WATER = 1 << 20  # pause reading from the engine beyond this much unread body
 
 
@@ -143,7 +147,13 @@ class _Conn(asyncio.Protocol):
             if not sep:
                 continue
             value = value.strip()
-            lname = name.strip().lower()
+            lname = name.lower()
+            if lname not in _FRAMING:
+                if lname not in _NOT_FORWARDED:
+                    headers.append((name, value))
+                if lname == "content-type":
+                    content_type = value.split(";", 1)[0].strip().lower()
+                continue
             if lname == "content-length":
                 try:
                     length = int(value)
@@ -158,9 +168,6 @@ class _Conn(asyncio.Protocol):
                     keep_alive = False
                 elif "keep-alive" in v:
                     keep_alive = True
-            elif lname == "content-type":
-                content_type = value.split(";", 1)[0].strip().lower()
-            headers.append((name.strip(), value))
         if status == 100:  # Expect: 100-continue is never sent, but be tolerant
             self.buf = bytearray(rest)
             if self.buf:
@@ -186,7 +193,11 @@ class _Conn(asyncio.Protocol):
 
 
 class Response:
-    """An upstream response whose head has arrived; the body is read with read/readany."""
+    """An upstream response whose head has arrived; the body is read with read/readany.
+
+    ``headers`` are the response's end-to-end headers, ready to forward: framing
+    (Content-Length, Transfer-Encoding, Connection), hop-by-hop ones, Date and Server
+    are left out."""
 
     __slots__ = ("conn", "status", "headers", "content_type", "_remaining", "_chunked", "_keep_alive",
                  "_chunks", "_size", "_done", "_error", "_waiter", "_cbuf", "_chunk_left", "_trailer",
