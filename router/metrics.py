@@ -45,6 +45,9 @@ class _PoolCollector(Collector):
             kv.add_metric([s.id], s.kv_usage)
         yield from (inflight, healthy, running, waiting, kv)
 
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
 
 class _Counter:
     """A labelled counter kept in a plain dict; exported at scrape time."""
@@ -100,6 +103,10 @@ class _Collector(Collector):
     def collect(self) -> Iterable[Metric]:
         for m in self._metrics:
             yield m.family()
+
+    def describe(self) -> Iterable[Metric]:
+        """The families (so the registry knows their names before any sample exists)."""
+        return list(self.collect())
 
 
 class RouterMetrics:
