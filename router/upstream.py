@@ -25,6 +25,7 @@ Semantics the proxy relies on:
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -387,9 +388,11 @@ class Response:
 class _HostPool:
     """Idle keep-alive connections to one replica, at most ``limit`` open at once."""
 
-    def __init__(self, host: str, port: int, limit: int, connect_timeout: float) -> None:
+    def __init__(self, host: str, port: int, limit: int, connect_timeout: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.host = host
         self.port = port
+        self.ssl = ssl_context
         self.connect_timeout = connect_timeout
         self.idle: deque[_Conn] = deque()
         self.all: set[_Conn] = set()
@@ -411,7 +414,8 @@ class _HostPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+                _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
+                                                       server_hostname=self.host if self.ssl else None)
         except TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
         except OSError as exc:
@@ -474,10 +478,10 @@ class UpstreamPool:
         hp = self._hosts.get(base_url)
         if hp is None:
             u = urlsplit(base_url)
-            if u.scheme != "http":
-                raise ConnectFailed(f"unsupported scheme in {base_url} (the fast client speaks http only)")
-            hp = self._hosts[base_url] = _HostPool(u.hostname or "127.0.0.1", u.port or 80, self.limit,
-                                                   self.connect_timeout)
+            tls = u.scheme == "https"
+            hp = self._hosts[base_url] = _HostPool(u.hostname or "127.0.0.1", u.port or (443 if tls else 80),
+                                                   self.limit, self.connect_timeout,
+                                                   ssl.create_default_context() if tls else None)
         return hp
 
     async def request(self, base_url: str, method: str, path_qs: str, headers: Iterable[tuple[str, str]],
