@@ -41,6 +41,8 @@ class ConfigError(ValueError):
 class ListenConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    workers: int = 1  # router processes on this port (router/workers.py; SO_REUSEPORT)
+    reuse_port: bool = False  # bind with SO_REUSEPORT (set for each worker when workers > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class IndexConfig:
     namespace: str = "kvrouter"
     ttl_s: float = 3600.0
     capacity_blocks: int = 100_000
+    cluster: bool = False  # url names Redis Cluster seed node(s) (router/index/cluster.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +187,18 @@ class LifecycleConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedLoadConfig:
+    """In-flight counts shared between router processes through Redis (router/reservations.py)."""
+
+    enabled: bool = False
+    url: str | None = None  # default: index.url
+    cluster: bool | None = None  # default: index.cluster
+    namespace: str = "kvrouter"
+    interval_s: float = 0.02  # seconds between two syncs (publish own counts, read the others')
+    ttl_s: float = 2.0  # a silent (crashed) process's counts expire after this long
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     listen: ListenConfig = field(default_factory=ListenConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -200,6 +215,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    shared_load: SharedLoadConfig = field(default_factory=SharedLoadConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Config:
@@ -449,7 +465,7 @@ def _build_config(d: Mapping[str, Any]) -> Config:
     if unknown:
         raise ConfigError(unknown[0], f"unknown section (known: {', '.join(sorted(known))})")
     listen = _section(ListenConfig, d.get("listen"), "listen",
-                      {"host": _str(), "port": _int(0, 65535)})
+                      {"host": _str(), "port": _int(0, 65535), "workers": _int(1, 256), "reuse_port": _bool})
     policy = _section(PolicyConfig, d.get("policy"), "policy",
                       {"name": _str(), "options": lambda v, k: dict(_mapping(v, k))})
     models: dict[str, ModelConfig] = {}
@@ -459,7 +475,8 @@ def _build_config(d: Mapping[str, Any]) -> Config:
                                      {"tokenizer": _str(), "block_size": _int(1, 1 << 20)})
     index = _section(IndexConfig, d.get("index"), "index", {
         "backend": _str(choices=("memory", "redis")), "url": _str(optional=True),
-        "namespace": _str(), "ttl_s": _num(positive=True), "capacity_blocks": _int(1)})
+        "namespace": _str(), "ttl_s": _num(positive=True), "capacity_blocks": _int(1),
+        "cluster": _bool})
     if index.backend == "redis" and not index.url:
         raise ConfigError("index.url", "required when index.backend is redis")
     reps_raw = d.get("replicas") or []
@@ -523,9 +540,17 @@ def _build_config(d: Mapping[str, Any]) -> Config:
             raise ConfigError("discovery.models", "must list the models the discovered replicas serve")
     lifecycle = _section(LifecycleConfig, d.get("lifecycle"), "lifecycle", {
         "shutdown_grace_s": _num(lo=0), "drain_delay_s": _num(lo=0), "watch_config_s": _num(lo=0)})
+    shared_load = _section(SharedLoadConfig, d.get("shared_load"), "shared_load", {
+        "enabled": _bool, "url": _str(optional=True), "cluster": lambda v, k: None if v is None else _bool(v, k),
+        "namespace": _str(), "interval_s": _num(positive=True), "ttl_s": _num(positive=True)})
+    if shared_load.enabled and not (shared_load.url or index.url):
+        raise ConfigError("shared_load.url", "required when shared_load.enabled (or set index.url)")
+    if shared_load.ttl_s < 3 * shared_load.interval_s:
+        raise ConfigError("shared_load.ttl_s", "must be at least 3 × shared_load.interval_s")
     return Config(listen=listen, policy=policy, models=models, index=index, replicas=tuple(replicas),
                   health=health, scrape=scrape, upstream=upstream, auth=auth, limits=limits, breaker=breaker,
-                  headers=headers, logging=logging_, discovery=discovery, lifecycle=lifecycle)
+                  headers=headers, logging=logging_, discovery=discovery, lifecycle=lifecycle,
+                  shared_load=shared_load)
 
 
 def check_policy(cfg: Config) -> None:

@@ -54,8 +54,13 @@ async def run(config_path: str, overrides: list[str], *, metrics_host: str, metr
         raise ConfigError("index.backend", "kvrouter events writes to a shared index: set index.backend: redis "
                                            "and index.url")
     caps = {r.id: r.capacity_blocks for r in cfg.replicas if r.capacity_blocks}
-    index = RedisIndex(cfg.index.url, namespace=cfg.index.namespace, ttl_s=cfg.index.ttl_s,
-                       default_capacity=cfg.index.capacity_blocks, capacities=caps)
+    index_cls: type[RedisIndex] = RedisIndex
+    if cfg.index.cluster:  # Redis Cluster (router/index/cluster.py)
+        from router.index.cluster import RedisClusterIndex
+
+        index_cls = RedisClusterIndex
+    index = index_cls(cfg.index.url, namespace=cfg.index.namespace, ttl_s=cfg.index.ttl_s,
+                      default_capacity=cfg.index.capacity_blocks, capacities=caps)
     registry = CollectorRegistry(auto_describe=True)
     if metrics_port is not None:
         start_http_server(metrics_port, metrics_host, registry=registry)

@@ -94,6 +94,12 @@ def build_index(config: Config, events: IndexEvents | None = None) -> MemoryInde
     """The index named by ``index.backend``, with per-replica capacities from the config."""
     ic = config.index
     caps = {r.id: r.capacity_blocks for r in config.replicas if r.capacity_blocks}
+    if ic.backend == "redis" and ic.cluster:
+        from router.index.cluster import RedisClusterIndex
+
+        assert ic.url
+        return RedisClusterIndex(ic.url, namespace=ic.namespace, ttl_s=ic.ttl_s,
+                                 default_capacity=ic.capacity_blocks, capacities=caps, events=events)
     if ic.backend == "redis":
         assert ic.url
         return RedisIndex(ic.url, namespace=ic.namespace, ttl_s=ic.ttl_s, default_capacity=ic.capacity_blocks,
