@@ -184,3 +184,32 @@ async def test_sighup_reload_weights_replicas_keys_and_invalid_file(sim_factory,
     assert streams.errors == [], streams.errors[:5]
     assert streams.ok > 20
     assert code == 0, router.log()
+
+
+async def test_config_file_change_is_reloaded_without_a_signal(sim_factory, tmp_path: Path):  # noqa: F811
+    sims = sim_factory(2, time_scale=0, model=MODEL)
+    cfg = router_config(sims, 1, hit_weight=1.0)
+    cfg["lifecycle"] = {"watch_config_s": 0.3}
+    cfg_path = tmp_path / "router.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = Proc(kvrouter_argv("serve", "--config", str(cfg_path), "--port", str(port)),
+                  ready_url=url + "/ready").start(timeout=60)
+    admin = Admin(url)
+    try:
+        assert len(await admin.replicas()) == 1
+        cfg = router_config(sims, 2, hit_weight=1.0)
+        cfg["lifecycle"] = {"watch_config_s": 0.3}
+        cfg_path.write_text(yaml.safe_dump(cfg))
+
+        async def two() -> bool:
+            return len(await admin.replicas()) == 2
+
+        await wait_for(two)
+        assert await admin.metric("kvrouter_config_reloads_total") == 1
+        assert "config file" in router.log() and "changed: reloading" in router.log()
+    finally:
+        await admin.s.close()
+        code = router.stop(timeout=40)
+    assert code == 0
