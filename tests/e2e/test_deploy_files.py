@@ -425,6 +425,8 @@ def test_kubernetes_router_manifests_reference_real_keys_paths_and_ports(tmp_pat
             h, p = hostport(cfg.index.url or "")
             assert p in [sp["port"] for sp in services[h]["spec"]["ports"]]
         if cfg.discovery.mode in ("dns", "kubernetes"):
+            for m in cfg.model_names():  # `backend` tokenizes on static replicas only
+                assert cfg.model(m).tokenizer != "backend" or cfg.replicas, f"{where}: {m} tokenizer"
             svc = services[cfg.discovery.name.split(".")[0]]
             assert svc["spec"].get("clusterIP") == "None", "DNS discovery needs a headless Service"
             assert cfg.discovery.port in [sp["port"] for sp in svc["spec"]["ports"]]
