@@ -49,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", "-c", help="YAML config file (see config/router.yaml)")
     p.add_argument("--replica", action="append", default=[], metavar="URL=MODEL[,MODEL]",
                    help="add a replica (appended to the file's replicas), e.g. http://127.0.0.1:9001=llama")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="router processes on one port, supervised (listen.workers; docs/scaling.md)")
     add_common_flags(p)
     args = p.parse_args(argv)
+    if args.workers is not None:
+        args.set.append(f"listen.workers={args.workers}")
 
     def load() -> Config:  # also the SIGHUP reload (router/lifecycle.py): same sources again
         cfg = load_config(args.config, env=os.environ, overrides=flag_overrides(args))
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvrouter serve: config error: {exc}", file=sys.stderr)
         return 2
+    if cfg.listen.workers > 1:
+        from router.workers import supervise
+
+        return supervise(cfg, list(sys.argv[1:] if argv is None else argv))
     return run_router(cfg, loader=load, watch_path=args.config)
 
 

@@ -92,6 +92,9 @@ class RouterState:
         from router.discovery import Discovery
 
         self.discovery = Discovery(config, self.pool)  # resolver injectable before start
+        from router.reservations import build_shared_load
+
+        self.shared_load = build_shared_load(config, self.pool.all_states, self.registry)  # docs/scaling.md
 
     def _replica_removed(self, replica_id: str) -> None:
         self.prefix.replica_removed(replica_id)
@@ -374,8 +377,12 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
         await st.proxy.start()
         await st.pool.start()
         await st.discovery.start()
+        if st.shared_load is not None:
+            await st.shared_load.start()
 
     async def on_cleanup(app: web.Application) -> None:
+        if st.shared_load is not None:
+            await st.shared_load.close()
         await st.discovery.close()
         await st.pool.close()
         await st.proxy.close()
@@ -416,7 +423,8 @@ class Server:
 
     async def start(self) -> Server:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.config.listen.host, self.config.listen.port, backlog=2048)
+        site = web.TCPSite(self.runner, self.config.listen.host, self.config.listen.port, backlog=2048,
+                           reuse_port=self.config.listen.reuse_port or None)
         await site.start()
         server = site._server
         if server is not None and getattr(server, "sockets", None):
