@@ -172,6 +172,8 @@ class SimServer:
         r = app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/completions/render", self.render_completion)
+        r.add_post("/v1/chat/completions/render", self.render_chat)
         r.add_get("/v1/models", self.models)
         r.add_get("/health", self.health)
         r.add_post("/tokenize", self.tokenize)
@@ -302,6 +304,17 @@ class SimServer:
         await resp.write_eof()
 
     # -- other endpoints -----------------------------------------------------------------------
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """The prompt(s) exactly as the engine tokenizes them (newer vLLM; vllm-router uses it)."""
+        g = api.parse_generation(await self._body(request), chat=False, tok=self.tok, served=self.served,
+                                 max_model_len=self.max_model_len, default_max_tokens=1)
+        return _json([{"token_ids": ids} for ids in g.prompts])
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        g = api.parse_generation(await self._body(request), chat=True, tok=self.tok, served=self.served,
+                                 max_model_len=self.max_model_len, default_max_tokens=1)
+        return _json({"token_ids": g.prompts[0]})
+
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "created": self.started, "owned_by": "vllm",
                  "root": self.root, "parent": None, "max_model_len": self.max_model_len,
@@ -344,9 +357,8 @@ class SimServer:
         return _json({"prompt": self.tok.decode(body["tokens"])})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.engine),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(body=self.metrics.render(self.engine).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def server_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.config

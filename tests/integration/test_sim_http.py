@@ -106,9 +106,20 @@ def test_models_health_tokenize_detokenize_and_info(url):
     assert load[0]["num_reqs"] == 0 and load[0]["num_waiting_reqs"] == 0
 
 
+def test_render_endpoints_match_tokenize(url):
+    msgs = [{"role": "user", "content": "render me"}]
+    chat = httpx.post(url + "/v1/chat/completions/render", json={"model": MODEL, "messages": msgs}).json()
+    tok = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
+    assert chat["token_ids"] == tok["tokens"]
+    comp = httpx.post(url + "/v1/completions/render", json={"model": MODEL, "prompt": ["ab", "c"]}).json()
+    assert comp == [{"token_ids": [97, 98]}, {"token_ids": [99]}]
+
+
 def test_metrics_names_types_labels(url):
     oa(url).completions.create(model=MODEL, prompt="metrics please", max_tokens=3)
-    text = httpx.get(url + "/metrics").text
+    resp = httpx.get(url + "/metrics")
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = resp.text
     for name, kind in [("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
                        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:prefix_cache_queries", "counter"),
                        ("vllm:prefix_cache_hits", "counter"), ("vllm:prompt_tokens", "counter"),
