@@ -15,7 +15,7 @@ one applies what can change without a restart — the replica list and discovery
 (new replicas are probed before use, removed ones drained, see ``Pool.set_replicas``), the
 policy and its options (weights), client and admin keys, the lifecycle settings — and logs
 a warning for sections that take effect only on restart (listen, models, index, health,
-scrape, upstream, limits, headers, logging). Requests in flight are not touched.
+scrape, upstream, limits, ...: every other section). Requests in flight are not touched.
 With ``lifecycle.watch_config_s`` > 0 the file is also polled and reloaded when it changes.
 
 Metrics: ``kvrouter_config_reloads_total``, ``kvrouter_config_reload_failures_total``,
@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvrouter.lifecycle")
 
-RESTART_SECTIONS = ("listen", "models", "index", "health", "scrape", "upstream", "limits", "headers", "logging")
+RELOADABLE = ("policy", "auth", "replicas", "discovery", "lifecycle")
+# every other section of the config (listen, models, index, health, scrape, upstream, limits, ...)
+RESTART_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in RELOADABLE)
 
 Loader = Callable[[], Config]
 
