@@ -63,6 +63,7 @@ class OfflineConfig:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     scrape_interval_s: float = 1.0
     index_capacity_blocks: int | None = None  # None: each replica's real KV capacity
+    index_block_size: int | None = None  # None: the engine block size (as the live router's default)
     index_ttl_s: float | None = None
     speed: float = 1.0
     seed: int = 0
@@ -155,10 +156,14 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
     needs_prefix = bool(getattr(policy, "needs_prefix", False))
     on_routed = getattr(policy, "on_routed", None)
     on_finished = getattr(policy, "on_finished", None)
-    cap = cfg.index_capacity_blocks or roof.kv_capacity_blocks
+    ebs = cfg.engine_block_size
+    ibs = cfg.index_block_size or ebs
+    if ibs % ebs:
+        raise ValueError(f"index block size {ibs} is not a multiple of the engine block size {ebs}")
+    step = ibs // ebs
+    cap = cfg.index_capacity_blocks or max(1, roof.kv_capacity_blocks // step)
     index = PrefixIndex(default_capacity=cap, ttl_s=cfg.index_ttl_s) if needs_prefix else None
     rng = random.Random(cfg.seed)
-    ebs = cfg.engine_block_size
     speed = cfg.speed
     events: list[tuple[float, int, int, Any]] = []  # (time, seq, kind, payload)
     seq = 0
@@ -211,18 +216,20 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
             skipped += 1
             continue
         hashes = engine_hashes(tr, ebs)
-        rreq = RoutingRequest(model=cfg.model, hashes=hashes if needs_prefix else [],
-                              num_tokens=tr.input_length, block_size=ebs, session_key=tr.session_id,
+        # the router's view: one hash per index block (the last engine block's names the prefix)
+        ihashes = hashes if step == 1 else hashes[step - 1::step]
+        rreq = RoutingRequest(model=cfg.model, hashes=ihashes if needs_prefix else [],
+                              num_tokens=tr.input_length, block_size=ibs, session_key=tr.session_id,
                               request_id=str(i - 1))
         fleet.scrape(now)
-        matches = index.lookup(hashes, now) if index is not None else {}
+        matches = index.lookup(ihashes, now) if index is not None else {}
         d = policy.choose(rreq, fleet.states, matches, rng)
         e = fleet.ids.index(d.replica)
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
         predicted += min(d.matched_tokens, tr.input_length - 1)
         routed_tokens += tr.input_length
         if index is not None:
-            index.record(hashes, d.replica, now)
+            index.record(ihashes, d.replica, now)
         if on_routed is not None:
             on_routed(rreq, d)
         fleet.states[e].in_flight += 1
@@ -326,7 +333,7 @@ def run_offline_cli(args: Any, requests: list[TraceRequest]) -> int:
     cfg = OfflineConfig(replicas=args.replicas, gpu=args.gpu, model=args.model or "llama-3.1-8b",
                         engine_block_size=args.engine_block_size, policy_options=dict(args.policy_option),
                         speed=args.speed, seed=args.seed, scrape_interval_s=max(0.0, args.scrape_interval),
-                        index_capacity_blocks=args.index_capacity)
+                        index_capacity_blocks=args.index_capacity, index_block_size=args.index_block_size)
     try:
         roofline_for(cfg)
     except Exception as exc:  # planner errors name the bad preset

@@ -91,3 +91,14 @@ def test_replay_offline_cli_json_and_plot(tmp_path, capsys):
 def test_replay_cli_rejects_bad_arguments(argv, msg, capsys):
     assert replay_cli.main([str(EXCERPT), "--limit", "5", *argv]) == 2
     assert msg in capsys.readouterr().err.lower()
+
+
+def test_coarser_index_blocks_route_the_same_simple_case():
+    reqs = [TraceRequest(0.0, 1024, 8, [1, 2], 512), TraceRequest(60.0, 1024, 8, [1, 2], 512),
+            TraceRequest(61.0, 1024, 8, [3, 4], 512)]
+    fine = simulate(reqs, "cache_aware", SMALL)
+    coarse = simulate(reqs, "cache_aware", OfflineConfig(replicas=2, index_block_size=512))
+    assert coarse.cached_tokens == fine.cached_tokens == 1008
+    assert coarse.predicted_hit_rate == pytest.approx(1023 / 3072)  # 2 index blocks, less the last token
+    with pytest.raises(ValueError, match="multiple"):
+        simulate(reqs, "cache_aware", OfflineConfig(replicas=2, index_block_size=24))
