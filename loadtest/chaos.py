@@ -241,6 +241,7 @@ class Fleet:
     config_path: Path
     logdir: Path
     in_rotation: list[bool] = field(default_factory=list)
+    closed: bool = False
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.router_ports[i]}"
@@ -282,6 +283,8 @@ def start_router(fleet: Fleet, i: int) -> Proc:
              ready_url=f"http://127.0.0.1:{port}/health", log=fleet.logdir / f"router{i}.log")
     p.start(timeout=60)
     fleet.routers[i] = p
+    if fleet.closed:  # started from a fault thread after the run ended: do not leak it
+        p.stop()
     return p
 
 
@@ -301,7 +304,20 @@ def start_fleet(args: argparse.Namespace, logdir: Path) -> Fleet:
     return fleet
 
 
+def restart_sim(fleet: Fleet, k: int) -> None:
+    fleet.sims[k].restart(60)
+    if fleet.closed:
+        fleet.sims[k].stop()
+
+
+def restart_redis(fleet: Fleet) -> None:
+    fleet.redis.start()
+    if fleet.closed:
+        fleet.redis.stop()
+
+
 def stop_fleet(fleet: Fleet) -> None:
+    fleet.closed = True
     for p in fleet.routers:
         if p is not None:
             p.stop()
@@ -398,7 +414,7 @@ async def inject_faults(fleet: Fleet, args: argparse.Namespace, progress: Callab
         log(f"[{f.t_start:6.1f}s] kill -9 sim0")
         fleet.sims[0].kill()
         await asyncio.sleep(hold)
-        await asyncio.to_thread(fleet.sims[0].restart, 60)
+        await asyncio.to_thread(restart_sim, fleet, 0)
         await back_in_rotation("sim0")
         f.t_end = now()
         log(f"[{f.t_end:6.1f}s] sim0 back in rotation")
@@ -409,7 +425,7 @@ async def inject_faults(fleet: Fleet, args: argparse.Namespace, progress: Callab
         log(f"[{f.t_start:6.1f}s] kill -9 redis")
         fleet.redis.stop(kill=True)
         await asyncio.sleep(hold)
-        await asyncio.to_thread(fleet.redis.start)
+        await asyncio.to_thread(restart_redis, fleet)
         await asyncio.sleep(2.0)  # the index's breaker retries after 1 s
         f.t_end = now()
         log(f"[{f.t_end:6.1f}s] redis back")
