@@ -47,7 +47,7 @@ class ListenConfig:
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    name: str = "round_robin"
+    name: str = "cache_aware"
     options: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -14,9 +14,10 @@ keys of one model live in one slot and one Lua script can reach them all)::
 
 Bucketing: a block lives in bucket ``(low 24 bits of its hash) mod b:R``, with
 ``b:R = ceil(capacity / 64)`` fixed at the replica's first record, so buckets hold ~64
-entries and Redis stores them as compact listpacks: ~17–25 bytes per (block, replica)
-entry, measured by ``tests/contract/test_index_contract.py::test_redis_memory_per_entry``
-(bound asserted: ≤ 40 B; 64 replicas × 100,000 blocks ≈ 1.1–1.6 GB → 0.16 GB).
+entries and Redis stores them as compact listpacks. Measured: ~15 bytes per (block,
+replica) entry (``tests/contract/test_index_contract.py::test_redis_memory_per_entry``
+asserts ≤ 40 B), so 64 replicas × 100,000 blocks take ~100 MB (≤ 256 MB at the bound)
+instead of the ~1.3 GB of one key per block plus a per-replica sorted set.
 
 Capacity and LRU without a sorted set (generations): a replica's capacity ``C`` is split
 into ``w = min(8, C)`` generations of ``S = C // w`` blocks. Recording a block not in the

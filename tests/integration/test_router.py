@@ -134,6 +134,7 @@ class FakeEngine:
 def router_config(engines: list[FakeEngine], **sections: Any) -> Config:
     d: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
+        "policy": {"name": "round_robin"},  # these tests count on round-robin order (default: cache_aware)
         "replicas": [{"id": e.name, "url": e.url, "models": [e.model]} for e in engines],
         "health": {"interval_s": 0.2, "timeout_s": 1.0, "failure_threshold": 1, "success_threshold": 1},
         "scrape": {"interval_s": 0.2},
