@@ -383,15 +383,15 @@ class EventSubscriber:
             r.replayed = (1, 0)
         await self._apply_payload(r, payload)
 
-    async def _apply_payload(self, r: _Replica, payload: bytes) -> None:
+    async def _apply_payload(self, r: _Replica, payload: bytes, *, live: bool = True) -> None:
         try:
             batch = decode_payload(payload)
         except KVEventDecodeError as exc:
             self._decode_error(r, str(exc))
             return
-        await self._apply(r, batch)
+        await self._apply(r, batch, live=live)
 
-    async def _apply(self, r: _Replica, batch: EventBatch) -> None:
+    async def _apply(self, r: _Replica, batch: EventBatch, *, live: bool = True) -> None:
         rid = r.source.replica
         r.stats.batches += 1
         r.stats.events += len(batch.events)
@@ -414,7 +414,7 @@ class EventSubscriber:
             self.metrics.index_errors.labels(rid).inc()
             log.warning("kv events: index write for %s failed: %s", rid, exc)
             return
-        if any(isinstance(ev, BlockStored) for ev in batch.events):
+        if live and any(isinstance(ev, BlockStored) for ev in batch.events):  # replays are old news
             self.metrics.lag.observe(max(0.0, self.clock() - batch.ts))
 
     async def _clear(self, r: _Replica, reason: str) -> None:
@@ -476,7 +476,7 @@ class EventSubscriber:
                 r.seq.accept(seq)
                 r.last_payload = body
                 first = seq if first is None else first
-                await self._apply_payload(r, body)
+                await self._apply_payload(r, body, live=False)
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
             result = "failed"
             log.warning("kv events: replay from %s failed: %s", rid, exc)

@@ -21,9 +21,9 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, UnknownEvent
 from router.core.hashing import block_hashes, seed_hash
@@ -212,3 +212,23 @@ class ReplicaTracker:
             for eh in list(self._map)[:over]:  # oldest first
                 self._drop(eh)
             self.stats.map_evictions += over
+
+
+def apply_engine_events(index: Any, replica: str, events: Iterable[Any], now: float) -> int:
+    """Apply a simulated engine's own KV events straight to a pure :class:`PrefixIndex`
+    (offline replay in exact mode, where engine and router hashes are the same values):
+    ``BlockStored`` → record, ``BlockRemoved`` → remove, ``AllBlocksCleared`` → clear.
+    Events are matched by type name. Returns the number of events applied."""
+    n = 0
+    for ev in events:
+        kind = type(ev).__name__
+        if kind == "BlockStored":
+            index.record(ev.block_hashes, replica, now)
+        elif kind == "BlockRemoved":
+            index.remove(replica, ev.block_hashes)
+        elif kind == "AllBlocksCleared":
+            index.clear(replica)
+        else:
+            continue
+        n += 1
+    return n
