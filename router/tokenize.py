@@ -17,13 +17,15 @@ Three kinds, chosen by ``models.<name>.tokenizer`` in the config:
   prompt, answers kept in a bounded LRU.
 
 Caching (:class:`ModelTokenizer`): a rendered text is cut into pieces — after each chat
-message's content, and inside long stretches after the first newline past ``chunk_chars``
-characters (hard cut at 4 × that) — and a bounded LRU keeps, per piece and everything
+message's content, and inside long stretches after the first newline (before a word) past
+``chunk_chars`` characters (hard cut at 4 × that) — and a bounded LRU keeps, per piece and everything
 before it, the block hashes the piece completed. Cuts depend only on the text before them,
 so a growing multi-turn chat re-uses its whole history and tokenizes and hashes only its
-new turn. Pieces are encoded separately: exact for ``builtin`` (bytes), while for a BPE a
-merge across a seam can differ from encoding the whole text (rare at message ends) —
-routing only needs the same prefix to give the same hashes every time.
+new turn. Pieces are encoded separately: exact for ``builtin`` (bytes); for a byte-level
+BPE the cuts fall on pre-token boundaries (a newline before a word; a message's end,
+where templates put a special token), so the ids equal whole-text encoding in the usual
+case (tested), while a template gluing text to a message's end could differ at that seam
+— harmless for routing, which only needs the same prefix to give the same hashes.
 
 Prompt forms: a string, a list of strings (the first is routed on), a list of token ids,
 or a list of lists of ids. Anything unreadable gives ``None`` (never raises): the request
@@ -76,14 +78,19 @@ class LRU:
 
 
 def split_chunks(text: str, chunk_chars: int) -> list[str]:
-    """Content-defined chunks: cut after the first newline at or beyond ``chunk_chars``
-    characters since the last cut (hard cut at ``4 × chunk_chars``)."""
+    """Content-defined chunks: cut after the first newline followed by a non-space character
+    at or beyond ``chunk_chars`` characters since the last cut (hard cut at
+    ``4 × chunk_chars``). A newline before a word is a pre-token boundary of byte-level BPEs
+    (GPT-2 / Llama 3 split patterns), so such cuts do not change the ids."""
     if chunk_chars <= 0 or len(text) <= chunk_chars:
         return [text]
     out = []
     start, n, hard = 0, len(text), 4 * chunk_chars
     while n - start > chunk_chars:
-        nl = text.find("\n", start + chunk_chars, start + hard)
+        limit = min(n - 1, start + hard)
+        nl = text.find("\n", start + chunk_chars, limit)
+        while nl >= 0 and text[nl + 1] in " \t\r\n":
+            nl = text.find("\n", nl + 1, limit)
         cut = nl + 1 if nl >= 0 else start + hard
         if cut >= n:
             break

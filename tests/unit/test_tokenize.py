@@ -163,3 +163,16 @@ async def test_backend_tokenize_over_http_is_cached() -> None:
     finally:
         await bt.close()
         await runner.cleanup()
+
+
+def test_piece_ids_equal_whole_text_ids_for_a_byte_level_bpe(model_dir: Path) -> None:
+    """Cuts fall on pre-token boundaries, so exact (KV-event) tracking sees the engine's ids."""
+    hf = HFTokenizer(model_dir)
+    mt = ModelTokenizer(hf, chunk_chars=48)
+    body = "".join(f"the quick fox {i}\n  jumps over\n\nthe lazy dog {i} " for i in range(30))
+    msgs = [{"role": "system", "content": body}, {"role": "user", "content": "fox\ndog " * 20},
+            {"role": "assistant", "content": "over the dog"}, {"role": "user", "content": body[:300]}]
+    text = hf.render_chat(msgs, True)
+    assert len(mt._pieces(text, [])) > 20
+    assert mt.chat_ids(msgs) == hf.tok.encode(text, add_special_tokens=False).ids
+    assert mt.prompt_ids(body) == hf.tok.encode(body).ids
