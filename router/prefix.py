@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.config import Config
 from router.core.hashing import block_hashes, seed_hash
-from router.core.types import Decision, RoutingRequest
+from router.core.types import Decision, ReplicaState, RoutingRequest
 from router.index.base import IndexEvents
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
@@ -119,14 +119,46 @@ class PrefixService:
             self.index, self.events = attach_events(config, self.index, registry)
         self._models: dict[str, _Model] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._states: Callable[[], Iterable[ReplicaState]] | None = None
+        self._caps: dict[str, int] = {}
+        self._cap_task: asyncio.Task[None] | None = None
+        self.capacity_interval_s = 2.0
 
     # -- lifecycle --------------------------------------------------------------------
+    def bind_states(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        """Follow the pool's replica states: a replica's ``capacity_blocks`` (from the config,
+        or scraped from the engine's ``vllm:cache_config_info``) becomes its index bound."""
+        self._states = states
+
+    def sync_capacities(self) -> None:
+        if self._states is None:
+            return
+        for st in self._states():
+            cap = st.capacity_blocks
+            if cap and cap > 0 and self._caps.get(st.id) != cap:
+                self._caps[st.id] = cap
+                self.index.set_capacity(st.id, cap)
+
+    async def _follow_capacities(self) -> None:
+        while True:
+            try:
+                self.sync_capacities()
+            except Exception as exc:  # never let a bad state stop the loop
+                log.debug("prefix: capacity sync failed: %s", exc)
+            await asyncio.sleep(self.capacity_interval_s)
+
     async def start(self) -> None:
         for name in self.config.model_names():
             self.model(name)  # load tokenizers now: a bad path fails at startup, not per request
         await self.index.start()
+        if self._states is not None and self._cap_task is None:
+            self._cap_task = asyncio.get_running_loop().create_task(self._follow_capacities())
 
     async def close(self) -> None:
+        if self._cap_task is not None:
+            self._cap_task.cancel()
+            await asyncio.gather(self._cap_task, return_exceptions=True)
+            self._cap_task = None
         for t in list(self._tasks):
             await asyncio.gather(t, return_exceptions=True)
         for m in self._models.values():

@@ -72,6 +72,7 @@ class RouterState:
         self.pool = Pool(config.replicas, config.health, config.scrape,
                          on_removed=self._replica_removed, on_health=self._health_changed)
         self.metrics = RouterMetrics(self.registry, self.pool.all_states)
+        getattr(self.prefix, "bind_states", lambda states: None)(self.pool.all_states)  # index capacities
         self.proxy = Proxy(config, self.pool, self.policy, self.prefix, self.metrics,
                            random.Random(seed), logging.getLogger("kvrouter.proxy"))
         self.rlog = request_logger()

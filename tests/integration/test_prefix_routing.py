@@ -214,3 +214,17 @@ async def test_redis_killed_mid_test_requests_succeed_then_affinity_returns(sims
     finally:
         await server.stop()
         redis.stop()
+
+
+async def test_index_capacity_follows_the_engines_scraped_kv_blocks(sims) -> None:
+    server = await Server(config(sims), seed=0).start()
+    try:
+        index = server.state.prefix.index.index  # MemoryIndex -> PrefixIndex
+        server.state.prefix.capacity_interval_s = 0.1
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and index.capacity("s0") != 3000:
+            await asyncio.sleep(0.1)
+        # the sims run with --num-blocks 3000, published in vllm:cache_config_info
+        assert [index.capacity(f"s{i}") for i in range(4)] == [3000] * 4
+    finally:
+        await server.stop()
