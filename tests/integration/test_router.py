@@ -455,3 +455,15 @@ async def test_first_byte_timeout_retried_then_504():
             start_router(engines, upstream={"first_byte_timeout_s": 0.3}) as router:
         st, _, b = await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
         assert_openai_error(st, b, 504, "upstream_timeout")
+
+
+async def test_client_gone_before_a_non_stream_answer_cancels_upstream():
+    async with fleet({"delay": 5.0}) as engines, start_router(engines) as router:
+        state = router.state.pool.get("e0").state
+        with pytest.raises(asyncio.TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                await s.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        await _until(lambda: state.in_flight == 0 and engines[0].running == 0, timeout=5)
+        assert engines[0].cancelled == 1
+        text = await get_text(router.url + "/metrics")
+        assert 'kvrouter_requests_total{model="fake-model",replica="e0",status="499"} 1.0' in text
