@@ -193,6 +193,11 @@ async def main_async(args: argparse.Namespace) -> int:
     finally:
         if redis is not None:
             redis.stop()
+    import os
+
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+          "(CPU-ms rise with it on a shared machine: compare runs at similar load)")
     print(f"cache-aware routing cost per request ({args.replicas} replicas, {args.requests} requests each):")
     print(f"  {'path':<46} {'tokens':>7} {'CPU-ms':>8} {'wall-ms':>8}")
     for label, ntok, cpu, wall in rows:
