@@ -28,6 +28,9 @@ class IndexBackend(Protocol):
 
     async def record(self, model: str, hashes: Sequence[int], replica: str) -> None: ...
 
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
+        """Queue a record from the request path (never blocks, never raises)."""
+
     async def remove(self, replica: str, hashes: Sequence[int]) -> None: ...
 
     async def clear(self, replica: str) -> None: ...
