@@ -109,13 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sim --seed (engine i gets seed + i); default 0")
     p.add_argument("--sim-args", default="", help="extra arguments for every `kvrouter sim`, one quoted string")
     add_common_flags(p)
-    p.set_defaults(port=None)
     args = p.parse_args(argv)
     if args.replicas < 1:
         print("kvrouter up: --replicas must be >= 1", file=sys.stderr)
         return 2
     overrides = flag_overrides(args)
-    overrides.setdefault("listen.port", 8000)
     try:
         base = load_config(args.config, env=os.environ, overrides=overrides)
         check_policy(base)

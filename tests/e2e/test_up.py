@@ -98,8 +98,8 @@ def test_unknown_model_is_an_openai_not_found(up):
 
 def test_ctrl_c_stops_everything():
     port = free_port()
-    proc = Proc(kvrouter_argv("up", "--port", str(port), "--replicas", "2", "--time-scale", "0"),
-                ready_url=f"http://127.0.0.1:{port}/ready").start(timeout=90)
+    proc = Proc(kvrouter_argv("up", "--replicas", "2", "--time-scale", "0"),  # port from the environment
+                ready_url=f"http://127.0.0.1:{port}/ready", env={"KVROUTER_LISTEN__PORT": str(port)}).start(timeout=90)
     sims = re.findall(r"simulated engines: (.*)\)", proc.log())
     deadline = time.monotonic() + 10
     while not sims and time.monotonic() < deadline:
