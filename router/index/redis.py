@@ -351,6 +351,8 @@ class RedisIndex:
 
     async def _connect(self) -> RespConnection:
         async with self._conn_lock:
+            if not self._available():  # a caller ahead of us just failed: do not queue up
+                raise ConnectionError("redis index unavailable")
             if self._conn is None or self._conn.closed:
                 self._conn = await RespConnection.open(self.url, self.timeout_s)
             return self._conn
