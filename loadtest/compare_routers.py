@@ -14,7 +14,8 @@ prefix-cache counters (these count re-admissions after a
 preemption again, usage does not), TTFT p50/p99 (wall seconds), requests per replica as max/mean (from
 the engines' request counters, so external routers are measured the same way), errors.
 ``--with-offline`` adds the offline prediction (:mod:`loadtest.offline`) for kvrouter's
-policies, in the same configuration (virtual speed = ``speed × time_scale``).
+policies, in the same configuration (virtual speed = ``speed × time_scale``; at time scale 0,
+where the sims take no time at all, it is ``speed``).
 
 Everything listens on 127.0.0.1 free ports; every process started is stopped by PID.
 """
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.offline import OfflineConfig, simulate
 
         cfg = OfflineConfig(replicas=args.replicas, gpu=args.gpu, model=args.model,
-                            speed=args.speed * args.time_scale, index_capacity_blocks=cap)
+                            speed=args.speed * args.time_scale if args.time_scale > 0 else args.speed,
+                            index_capacity_blocks=cap)
         for row in rows:
             if row["router"] == "kvrouter":
                 row["offline_hit_rate"] = simulate(reqs, row["policy"], cfg).hit_rate

@@ -149,6 +149,8 @@ class _Fleet:
 def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineConfig,
              roof: Roofline | None = None) -> PolicyResult:
     """Replay ``requests`` (in arrival order) through ``policy_name`` on the simulated fleet."""
+    if not cfg.speed > 0:
+        raise ValueError("speed must be > 0")
     roof = roof or roofline_for(cfg)
     max_len = get_model(cfg.model).max_position_embeddings
     fleet = _Fleet(cfg, roof, max_len)
