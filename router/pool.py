@@ -95,7 +95,8 @@ class Pool:
     """The replicas of one router process.
 
     ``on_removed(replica_id)`` is called when a replica leaves the pool or is ejected (its
-    KV cache is presumed lost); ``on_health(replica_id, healthy)`` on every transition.
+    KV cache is presumed lost); ``on_health(replica_id, healthy)`` on every transition;
+    ``on_left(config)`` when a replica leaves the pool (not on ejection).
     """
 
     def __init__(
@@ -106,8 +107,10 @@ class Pool:
         *,
         on_removed: Callable[[str], None] | None = None,
         on_health: Callable[[str, bool], None] | None = None,
+        on_left: Callable[[ReplicaConfig], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.on_left = on_left
         self.health_cfg = health
         self.scrape_cfg = scrape
         self.on_removed = on_removed
@@ -155,6 +158,8 @@ class Pool:
         self._rebuild()
         if self.on_removed:
             self.on_removed(replica_id)
+        if self.on_left:
+            self.on_left(rep.cfg)
         return True
 
     async def set_replicas(self, desired: Sequence[ReplicaConfig]) -> tuple[list[str], list[str]]:

@@ -157,6 +157,11 @@ class Proxy:
             self.upstream.close()
             self.upstream = None
 
+    def retire_upstream(self, url: str) -> None:
+        """A replica left the pool: drop its connection pool (in-flight requests finish)."""
+        if self.upstream is not None:
+            self.upstream.retire(url)
+
     # ------------------------------------------------------------------ the request path
 
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:

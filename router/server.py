@@ -70,7 +70,8 @@ class RouterState:
         self.prefix = prefix if prefix is not None else build_prefix(config, self.registry, needs_prefix)
         self.metrics: RouterMetrics
         self.pool = Pool(config.replicas, config.health, config.scrape,
-                         on_removed=self._replica_removed, on_health=self._health_changed)
+                         on_removed=self._replica_removed, on_health=self._health_changed,
+                         on_left=lambda rc: self.proxy.retire_upstream(rc.url))
         self.metrics = RouterMetrics(self.registry, self.pool.all_states)
         getattr(self.prefix, "bind_states", lambda states: None)(self.pool.all_states)  # index capacities
         self.proxy = Proxy(config, self.pool, self.policy, self.prefix, self.metrics,

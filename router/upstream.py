@@ -396,6 +396,7 @@ class _HostPool:
         self.connect_timeout = connect_timeout
         self.idle: deque[_Conn] = deque()
         self.all: set[_Conn] = set()
+        self.retired = False
         self._slots = asyncio.Semaphore(limit)
 
     def _forget(self, conn: _Conn) -> None:
@@ -406,6 +407,9 @@ class _HostPool:
             pass
 
     def _put(self, conn: _Conn) -> None:
+        if self.retired:  # the replica left: no more reuse
+            conn.close()
+            return
         conn.used = True
         conn.buf = bytearray()
         self.idle.append(conn)
@@ -493,6 +497,15 @@ class UpstreamPool:
         head.extend(f"{k}: {v}\r\n" for k, v in headers)
         head.append("\r\n")
         return await hp.request("".join(head).encode("utf-8", "surrogateescape") + body, timeout)
+
+    def retire(self, base_url: str) -> None:
+        """The replica at ``base_url`` left: close its idle connections now, and the busy
+        ones as their responses finish (requests in flight are not cut)."""
+        hp = self._hosts.pop(base_url, None)
+        if hp is not None:
+            hp.retired = True
+            while hp.idle:
+                hp.idle.pop().close()
 
     def close(self) -> None:
         for hp in self._hosts.values():

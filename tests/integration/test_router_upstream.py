@@ -158,3 +158,19 @@ async def test_abandoned_response_closes_the_connection():
         r.release()  # the client went away mid-body: the upstream connection must close
         assert conn.closed
         pool.close()
+
+
+async def test_retire_closes_idle_now_and_busy_after_their_response():
+    async with RawServer(lambda n: [OK]) as srv:
+        pool = UpstreamPool()
+        idle = await pool.request(srv.url, "POST", "/", [], b"")
+        await idle.read()
+        busy = await pool.request(srv.url, "POST", "/", [], b"")  # a second connection, still held
+        idle.release()
+        idle_conn, busy_conn = idle.conn, busy.conn
+        pool.retire(srv.url)
+        assert idle_conn.closed and not busy_conn.closed  # the in-flight one is not cut
+        assert await busy.read() == b'{"a": true}'
+        busy.release()
+        assert busy_conn.closed  # not put back for reuse
+        pool.close()
