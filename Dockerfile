@@ -18,7 +18,6 @@ COPY router ./router
 COPY backends ./backends
 COPY loadtest ./loadtest
 RUN /opt/kvrouter/bin/pip install --no-deps . \
- && find /opt/kvrouter -name '__pycache__' -prune -exec rm -rf {} + \
  && /opt/kvrouter/bin/pip uninstall -y pip setuptools wheel || true
 
 FROM python:${PYTHON_VERSION}-slim
@@ -29,7 +28,6 @@ COPY config/router.yaml /etc/kvrouter/router.yaml
 ENV PATH=/opt/kvrouter/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    KVROUTER_LISTEN__HOST=0.0.0.0 \
     KVROUTER_HEALTHCHECK_URL=http://127.0.0.1:8000/health
 USER 10001:10001
 EXPOSE 8000
@@ -38,4 +36,5 @@ STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['KVROUTER_HEALTHCHECK_URL'], timeout=2)"]
 ENTRYPOINT ["kvrouter"]
-CMD ["serve", "--config", "/etc/kvrouter/router.yaml"]
+# --host only in the default command: given your own arguments, your config's listen.host rules
+CMD ["serve", "--config", "/etc/kvrouter/router.yaml", "--host", "0.0.0.0"]

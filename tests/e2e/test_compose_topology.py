@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import openai
 
-from tests.e2e.test_deploy_files import Compose
+from tests.e2e.test_deploy_files import Compose, image_env
 from tests.support.services import Proc, RedisServer, free_port, http_ok, kvrouter_argv
 
 PROMPT = "Compose topology check. A long instruction block shared by a conversation. " * 5
@@ -52,6 +52,7 @@ class Topology:
         self.procs: dict[str, Proc] = {}
         self.urls: dict[str, str] = {}
         self.addr: dict[str, str] = {}  # "service:port" -> "127.0.0.1:port"
+        self.image_env = {k: v for k, v in image_env().items() if k.startswith("KVROUTER_")}  # the image's ENV
 
     def start(self) -> Topology:
         c = self.c
@@ -63,7 +64,8 @@ class Topology:
             port = free_port()
             self.addr[f"{name}:{c.listen_port(name)}"] = f"127.0.0.1:{port}"
             self.urls[name] = f"http://127.0.0.1:{port}"
-            self.procs[name] = Proc(kvrouter_argv(*translate_args(c.command(name), port)), env=c.env(name))
+            env = {**self.image_env, **c.env(name)}
+            self.procs[name] = Proc(kvrouter_argv(*translate_args(c.command(name), port)), env=env)
             self.procs[name].start()
         for name in sims:
             self._wait(name, self.urls[name] + "/health")
@@ -77,7 +79,8 @@ class Topology:
             cmd = c.command(name)
             cmd[cmd.index("--config") + 1] = str(cfg)
             port = free_port()
-            env = {**c.env(name), "KVROUTER_LISTEN__HOST": "127.0.0.1", "KVROUTER_LISTEN__PORT": str(port)}
+            env = {**self.image_env, **c.env(name),
+                   "KVROUTER_LISTEN__HOST": "127.0.0.1", "KVROUTER_LISTEN__PORT": str(port)}
             self.urls[name] = f"http://127.0.0.1:{port}"
             self.procs[name] = Proc(kvrouter_argv(*cmd), env=env, log=self.tmp / f"{name}.log")
             self.procs[name].start()

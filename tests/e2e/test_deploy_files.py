@@ -105,7 +105,7 @@ class Compose:
         return self.host_path(name, cmd[cmd.index("--config") + 1])
 
     def router_config(self, name: str) -> Config:
-        env = {k: v for k, v in self.env(name).items() if k.startswith("KVROUTER_")}
+        env = {k: v for k, v in {**image_env(), **self.env(name)}.items() if k.startswith("KVROUTER_")}
         return load_config(self.router_config_path(name), env=env)
 
 
@@ -162,6 +162,13 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
+def image_env() -> dict[str, str]:
+    """The ENV of the image's final stage (every container of the image starts with it)."""
+    ins = dockerfile()
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    return dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in final if w == "ENV")))
+
+
 def test_dockerfile_is_small_non_root_and_runs_real_commands():
     ins = dockerfile()
     assert sum(1 for w, _ in ins if w == "FROM") >= 2, "multi-stage"
@@ -182,8 +189,9 @@ def test_dockerfile_is_small_non_root_and_runs_real_commands():
     cmd = json.loads(next(r for w, r in final if w == "CMD"))
     assert_cli(cmd, "Dockerfile CMD")
     cfg_in_image = next(r for w, r in final if w == "COPY" and r.endswith(cmd[cmd.index("--config") + 1]))
-    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in final if w == "ENV")))
-    cfg = load_config(ROOT / cfg_in_image.split()[0], env={k: v for k, v in env.items() if "__" in k})
+    env = image_env()
+    cfg = load_config(ROOT / cfg_in_image.split()[0], env={k: v for k, v in env.items() if "__" in k},
+                      overrides={"listen.host": cmd[cmd.index("--host") + 1]})
     check_policy(cfg)
     exposed = int(next(r for w, r in final if w == "EXPOSE"))
     assert cfg.listen.port == exposed and cfg.listen.host == "0.0.0.0"
@@ -382,7 +390,7 @@ def test_kubernetes_router_manifests_reference_real_keys_paths_and_ports(tmp_pat
         vol = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
         cm = find(docs, "ConfigMap", vol["configMap"]["name"])
         text = cm["data"][cfg_path[len(mount["mountPath"]):].lstrip("/")]
-        env: dict[str, str] = {}
+        env: dict[str, str] = {k: v for k, v in image_env().items() if "__" in k}  # the image's, then the pod's
         for e in c.get("env") or []:
             if "valueFrom" in e:
                 ref = e["valueFrom"]["secretKeyRef"]
@@ -390,7 +398,7 @@ def test_kubernetes_router_manifests_reference_real_keys_paths_and_ports(tmp_pat
                 env[e["name"]] = secrets[ref["name"]][ref["key"]]
             else:
                 env[e["name"]] = e["value"]
-        for k in env:
+        for k in (e["name"] for e in c.get("env") or []):
             assert k.startswith("KVROUTER_") and "__" in k, f"{where}: {k} is not a config key"
         cfg_file = tmp_path / f"{where.replace('/', '-')}.yaml"
         cfg_file.write_text(text)
