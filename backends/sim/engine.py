@@ -454,15 +454,16 @@ class EngineModel:
         return res
 
     def fast_forward(self, now: float, until: float = float("inf"), max_steps: int = 1 << 30) -> StepResult:
-        """Run several decode-only steps in one call, O(batch + steps), when that is exactly
-        what ``step`` would do: nothing waiting, every running request decoding, no
-        speculative decoding. Stops at the first finish (included), after ``max_steps``, or
+        """Run several decode-only steps in one call, O(batch + log steps), when that is exactly
+        what ``step`` would do: every running request decoding, no speculative decoding,
+        and nothing waiting or the first waiting request cannot be admitted (batch full or
+        not enough free blocks). Stops at the first finish (included), after ``max_steps``, or
         after the step that ends at or past ``until`` (e.g. the next arrival). Otherwise it
         is one ordinary :meth:`step`. Per-token times inside the window are not reported:
         ``tokens`` holds each request's total for the window, stamped at ``end``."""
         running = self.running
-        if self.waiting or not running or self.config.spec_tokens or max_steps <= 1 \
-                or not all(r.in_decode for r in running):
+        if not running or self.config.spec_tokens or max_steps <= 1 \
+                or not all(r.in_decode for r in running) or (self.waiting and not self._head_blocked()):
             return self.step(now)
         start = max(now, self.busy_until)
         bs = self.config.block_size
@@ -491,6 +492,23 @@ class EngineModel:
         if res.finished:
             self.running = [r for r in running if r.finish_reason is None]
         return res
+
+    def _head_blocked(self) -> bool:
+        """True when ``step`` could not admit the first waiting request now. During a
+        decode-only window that stays true: the batch is unchanged and free blocks only
+        decrease, so the window may run with requests waiting."""
+        cfg, kv = self.config, self.kv
+        running = self.running
+        budget = cfg.max_num_batched_tokens - len(running)
+        if len(running) >= cfg.max_num_seqs or budget <= 0:
+            return True
+        r = self.waiting[0]
+        bs = cfg.block_size
+        max_hit = (r.num_tokens - 1) // bs
+        hits = kv.match(self._hashes(r, max_hit), max_hit) if kv.enable_prefix_caching else []
+        n_cached = len(hits) * bs
+        need = _cdiv(n_cached + min(r.num_tokens - n_cached, budget), bs) - len(hits)
+        return not kv.can_allocate(hits, need)
 
     def _decode_window(self, start: float, until: float, n: int, batch: int, kv0: int) -> tuple[int, float]:
         """(steps, total time) of up to ``n`` decode steps of ``batch`` sequences starting with

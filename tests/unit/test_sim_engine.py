@@ -207,6 +207,25 @@ def test_fast_forward_matches_step_by_step(cost):
         assert tf == pytest.approx(ts, rel=1e-9)
 
 
+@pytest.mark.parametrize("limits", [dict(max_num_seqs=2), dict(num_blocks=14)])
+def test_fast_forward_with_requests_waiting_matches_step_by_step(limits):
+    """A full batch (or a full cache) keeps requests waiting: windows still fast-forward."""
+    def workload(fast: bool) -> tuple[list[tuple[float, float, int]], int]:
+        eng = engine(**{"num_blocks": 1000, "max_model_len": 200, **limits})
+        reqs = [Request(str(i), 40 + 3 * i, 30 + 11 * i, block_hashes=[]) for i in range(6)]
+        for r in reqs:
+            eng.submit(r, 0.0)
+        _, results = run(eng, fast=fast)
+        if fast:
+            assert any(res.steps > 1 for res in results)
+        return [(r.first_token_time, r.finish_time, r.num_output) for r in reqs], eng.stats.num_preemptions
+
+    (slow, p_slow), (fast, p_fast) = workload(False), workload(True)
+    assert p_slow == p_fast
+    for a, b in zip(slow, fast, strict=True):
+        assert b[2] == a[2] and b[0] == pytest.approx(a[0], rel=1e-9) and b[1] == pytest.approx(a[1], rel=1e-9)
+
+
 @pytest.mark.parametrize("cost", [LinearCost(), KinkedCost()])
 def test_fast_forward_stops_at_until_like_single_steps(cost):
     def run_until(fast: bool) -> tuple[int, float]:
