@@ -80,6 +80,7 @@ class SimServer:
         self.sim_now = 0.0
         self._anchor = (time.monotonic(), 0.0)  # (wall, sim) pair the clock runs from
         self._idle = True
+        self.engine_errors = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
@@ -98,6 +99,20 @@ class SimServer:
         return t if self._idle else min(t, max(self.engine.busy_until, self.sim_now))
 
     async def _drive(self) -> None:
+        """The driver task: runs the engine; a failing step (a bug) aborts the requests in
+        flight (their clients get an error) instead of leaving them hanging."""
+        while True:
+            try:
+                await self._drive_loop()
+            except Exception:
+                log.exception("engine step failed: aborting %d requests", len(self.engine.requests))
+                self.engine_errors += 1
+                for r in list(self.engine.requests.values()):
+                    self.engine.cancel(r.req_id, self.sim_now)
+                    if r.tag is not None:
+                        r.tag.event.set()
+
+    async def _drive_loop(self) -> None:
         eng, scale = self.engine, self.scale
         assert self._wake is not None
         last_yield = time.monotonic()
@@ -252,6 +267,8 @@ class SimServer:
             while not all(r.finished for r in reqs):
                 await waiter.event.wait()
                 waiter.event.clear()
+            if any(r.finish_reason == "abort" for r in reqs):
+                raise ApiError(500, "the simulated engine failed while running this request")
             created = int(time.time())
             use = self._usage(reqs)
             texts = [self.tok.decode(r.output_ids or []) for r in reqs]

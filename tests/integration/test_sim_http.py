@@ -211,3 +211,36 @@ async def test_disconnected_non_streamed_request_cancels(sims):
     aborted = [v for _, lab, v in parse_samples(text, ("vllm:request_success_total",))
                if lab.get("finished_reason") == "abort"]
     assert aborted and aborted[0] >= 1
+
+
+async def test_a_failing_engine_step_errors_the_request_and_the_server_recovers():
+    """In-process server on a real socket; the engine's step is made to fail once."""
+    from aiohttp import web
+
+    from backends.sim.cli import build_server
+    from tests.support.services import free_port
+
+    server, _ = build_server(["--model", MODEL, "--model-config", "llama-3.1-8b", "--time-scale", "0"])
+    real_step = server.engine.step
+    calls = {"n": 0}
+
+    def flaky(now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real_step(now)
+
+    server.engine.step = flaky
+    runner = web.AppRunner(server.make_app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as ac:
+            r = await ac.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+            assert r.status_code == 500 and r.json()["error"]["code"] == 500
+            r = await ac.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert server.engine_errors == 1 and server.engine.num_running == 0
+    finally:
+        await runner.cleanup()
