@@ -62,9 +62,10 @@ def stream_ttft(url: str, prompt: str) -> tuple[float, int, int]:
 
 
 def test_same_2000_token_prompt_twice_hits_cache_and_ttft_drops_5x(sim_factory):
-    # time scale 2: each simulated second takes two wall seconds, so the ~0.2 s simulated
-    # prefill of 2,000 tokens dwarfs HTTP overhead on a loaded machine.
-    (sim,) = sim_factory(1, model=MODEL, gpu="a100-80gb", time_scale=2)
+    # time scale 5: each simulated second takes five wall seconds, so the ~0.2 s simulated
+    # prefill of 2,000 tokens (1 s wall) dwarfs HTTP overhead on a loaded machine; the
+    # cached request's ~10 ms step (50 ms wall) leaves ~190 ms of slack for the 5x.
+    (sim,) = sim_factory(1, model=MODEL, gpu="a100-80gb", time_scale=5)
     prompt = text_of(2000, 1)
     ttft1, cached1, n1 = stream_ttft(sim.url, prompt)
     ttft2, cached2, n2 = stream_ttft(sim.url, prompt)
