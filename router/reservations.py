@@ -125,6 +125,7 @@ class SharedLoad:
         self.conns: ClusterConnections | SingleConnection = connections(url, cluster, timeout_s)
         self.clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._last_ok = clock()
         self.up = True
         self.syncs = 0
@@ -139,16 +140,16 @@ class SharedLoad:
 
     async def close(self) -> None:
         if self._task is not None:
+            self._closing = True
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task}, timeout=5.0)
             self._task = None
         with contextlib.suppress(Exception):  # leave at once rather than after ttl
             await self._run(0, [])
         self.conns.close()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sync()
@@ -190,7 +191,7 @@ class SharedLoad:
             self.up = False
             log.warning("shared load: Redis unreachable (%s); balancing on this process's counts after %.1fs",
                         exc.__class__.__name__, self.ttl_ms / 1000)
-        if self.clock() - self._last_ok > self.ttl_ms / 1000 and self.totals:
+        if self.clock() - self._last_ok > self.ttl_ms / 1000:
             self.totals = {}
             apply_reserved(self.states(), {})
 

@@ -79,7 +79,10 @@ class Worker:
     pids: list[int] = field(default_factory=list)
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def _child_setup() -> None:  # runs in the child between fork and exec
+    # a SIGHUP that arrives before the worker installed its reload handler must not kill it
+    # (the ignored disposition survives exec; router/lifecycle.py replaces it)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -125,7 +128,7 @@ class Supervisor:
 
     def spawn(self, w: Worker) -> None:
         env = {**os.environ, "KVROUTER_WORKER_ID": str(w.index)}
-        w.proc = subprocess.Popen(self.argv(), env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
+        w.proc = subprocess.Popen(self.argv(), env=env, start_new_session=True, preexec_fn=_child_setup)
         w.started_at = time.monotonic()
         w.restart_at = None
         w.pids.append(w.proc.pid)

@@ -84,7 +84,23 @@ def _redirect(reply: object) -> tuple[str, str, int] | None:
 
 
 async def _timed(fut: asyncio.Future[Any], timeout: float) -> Any:
-    return await asyncio.wait_for(fut, timeout)
+    """Await a reply future with a deadline. A timer fails the future instead of
+    ``asyncio.wait_for``, which on Python 3.11 can swallow a cancellation that races with
+    the reply (the caller's task would then never stop)."""
+    timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("redis reply timed out"))
+
+
+async def _gathered(futs: list[asyncio.Future[Any]], timeout: float) -> list[Any]:
+    return [await _timed(f, timeout) for f in futs]
 
 
 class ClusterConnections:
@@ -155,19 +171,19 @@ class ClusterConnections:
     async def call_many(self, key: bytes | str, commands: list[bytes], timeout: float) -> list[Any]:
         """A pipeline of encoded commands to ``key``'s node (all must share its slot)."""
         conn = await self.conn_for(key)
-        replies = await asyncio.wait_for(asyncio.gather(*conn.call_many(commands)), timeout)
+        replies = await _gathered(conn.call_many(commands), timeout)
         if any(_redirect(r) for r in replies):
             await self.refresh()
             conn = await self.conn_for(key)
-            replies = await asyncio.wait_for(asyncio.gather(*conn.call_many(commands)), timeout)
+            replies = await _gathered(conn.call_many(commands), timeout)
         return list(replies)
 
     async def load_scripts(self, *scripts: str) -> None:
         """``SCRIPT LOAD`` each script on every master in the slot map."""
         for url in sorted(set(self._slots) - {""}):
             conn = await self._open(url)
-            await asyncio.wait_for(asyncio.gather(*conn.call_many(
-                [encode_command((b"SCRIPT", b"LOAD", s)) for s in scripts])), self.timeout_s * 4)
+            await _gathered(conn.call_many([encode_command((b"SCRIPT", b"LOAD", s)) for s in scripts]),
+                            self.timeout_s * 4)
 
     def drop(self, key: bytes | str | None = None) -> None:
         """Forget connections (all, or the one for ``key``'s node) after an error."""
@@ -200,7 +216,7 @@ class SingleConnection:
 
     async def call_many(self, key: bytes | str, commands: list[bytes], timeout: float) -> list[Any]:
         conn = await self._get()
-        return list(await asyncio.wait_for(asyncio.gather(*conn.call_many(commands)), timeout))
+        return await _gathered(conn.call_many(commands), timeout)
 
     def drop(self, key: bytes | str | None = None) -> None:
         if self._conn is not None:
