@@ -38,8 +38,6 @@ def _error_bytes(status: int, message: str, code: str) -> bytes:
 class JsonErrorHandler(RequestHandler):
     """A RequestHandler whose protocol errors are OpenAI-shaped and whose count is capped."""
 
-    max_connections = 0  # set per server class (see GuardedRunner)
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
         limit = getattr(manager, "kv_max_connections", 0)
@@ -60,9 +58,8 @@ class JsonErrorHandler(RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if status >= 500:
-            log.error("error handling request from %s: %s", getattr(request, "remote", "?"),
-                      type(exc).__name__ if exc else message)
+        if status >= 500:  # the traceback goes to the log, never to the client
+            log.error("error handling request from %s", getattr(request, "remote", "?"), exc_info=exc)
         else:
             log.debug("bad request from %s: %s", getattr(request, "remote", "?"), message or exc)
         if request.writer.output_size > 0:
