@@ -275,3 +275,29 @@ def _free() -> int:
 
 def test_config_types() -> None:
     assert Config.from_dict({}).limits.max_body_bytes == 16 * 2**20
+
+
+async def test_an_unhandled_error_is_a_500_in_openai_shape_without_traceback() -> None:
+    from aiohttp import web
+
+    from router.conn import GuardedRunner
+    from tests.support.services import free_port
+
+    async def boom(request: web.Request) -> web.Response:
+        raise RuntimeError("secret internal detail")
+
+    app = web.Application()
+    app.router.add_get("/boom", boom)
+    runner = GuardedRunner(app, max_connections=10)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"http://127.0.0.1:{port}/boom", headers={"Accept": "text/html"})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "internal_error"
+        assert "secret" not in r.text and "Traceback" not in r.text
+    finally:
+        await runner.cleanup()
