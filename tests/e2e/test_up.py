@@ -5,7 +5,11 @@ stops the router and every simulated engine it started."""
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -36,6 +40,16 @@ def test_banner_prints_endpoint_and_examples(up):
     assert f"router on {url}" in log
     assert f"curl -s {url}/v1/completions" in log
     assert f"OpenAI(base_url='{url}/v1'" in log
+    # the printed examples work as printed
+    py_line = next(line.strip() for line in log.splitlines() if line.strip().startswith("python -c"))
+    code = shlex.split(py_line)[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    curl = shutil.which("curl")
+    if curl:
+        curl_line = next(line.strip() for line in log.splitlines() if line.strip().startswith("curl "))
+        out = subprocess.run([curl, *shlex.split(curl_line)[1:]], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and '"choices"' in out.stdout
 
 
 def test_sync_client_completions_and_chat(up):
