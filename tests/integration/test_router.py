@@ -467,3 +467,26 @@ async def test_client_gone_before_a_non_stream_answer_cancels_upstream():
         assert engines[0].cancelled == 1
         text = await get_text(router.url + "/metrics")
         assert 'kvrouter_requests_total{model="fake-model",replica="e0",status="499"} 1.0' in text
+
+
+async def test_admin_add_and_remove_replicas():
+    async with fleet({}, {}) as engines, start_router(engines[:1], auth={"admin_key": "adm"}) as router:
+        adm = {"Authorization": "Bearer adm"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(router.url + "/admin/replicas", json={"id": "new", "url": "nope", "models": [MODEL]},
+                              headers=adm) as r:
+                err = assert_openai_error(r.status, await r.read(), 400, "invalid_replica")
+                assert err["message"].startswith("url: must be http(s)://host:port")
+            async with s.post(router.url + "/admin/replicas", json={"id": "new", "url": engines[1].url,
+                                                                      "models": [MODEL]}, headers=adm) as r:
+                assert r.status == 201 and (await r.json()) == {"id": "new", "healthy": True}
+            got = {(await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"}))[1]
+                   ["x-kvrouter-replica"] for _ in range(4)}
+            assert got == {"e0", "new"}
+            async with s.delete(router.url + "/admin/replicas/new", headers=adm) as r:
+                assert r.status == 200
+            async with s.delete(router.url + "/admin/replicas/new", headers=adm) as r:
+                assert_openai_error(r.status, await r.read(), 404, "replica_not_found")
+            got = {(await post(router.url + "/v1/completions", {"model": MODEL, "prompt": "x"}))[1]
+                   ["x-kvrouter-replica"] for _ in range(3)}
+            assert got == {"e0"}
