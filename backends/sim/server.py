@@ -123,9 +123,10 @@ class SimServer:
                 self._idle = True
                 await self._wake.wait()
                 self._wake.clear()
-                if scale > 0:  # start at the first arrival: host wake-up latency is not simulated time
-                    first = min((r.arrival for r in eng.waiting), default=self.now())
-                    self.sim_now = max(self.sim_now, min(first, self.now()))
+                if scale > 0:  # start at the latest arrival, not at wake-up (host latency is not
+                    # simulated time), and never before a request it schedules has arrived
+                    last = max((r.arrival for r in eng.waiting), default=self.now())
+                    self.sim_now = max(self.sim_now, min(last, self.now()))
                     self._anchor = (time.monotonic(), self.sim_now)
                 self._idle = False
                 last_yield = time.monotonic()
