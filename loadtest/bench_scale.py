@@ -1,0 +1,445 @@
+"""Scaling benchmark: one router process vs two, side by side in one run.
+
+    python -m loadtest.bench_scale [--duration 8] [--connections 64] [--replay-seconds 20]
+                                   [--rate 60] [--service-ms 250] [--replicas 4]
+
+Part 1 — throughput, ``kvrouter serve --workers 1`` vs ``--workers 2`` (round_robin, request
+log off, shared Redis load accounting on) in front of cheap backends. The load generator is
+kept from being the bottleneck by being **wrk** (C, epoll, keep-alive, one thread) in its own
+process: the table prints the CPU wrk used next to the routers' (a generator at < 100 % of
+one core while the router processes sit at ~100 % each is not what limits req/s). The
+backends are a raw asyncio protocol answering fixed bytes (~10× cheaper per request than the
+router) in one separate process. ``--load aiohttp`` uses this process instead when wrk is
+not installed (``apt-get install wrk``). Reported per row: req/s, router CPU-ms per request
+(all workers), router cores used, wrk cores used, and the req/s ratio.
+
+Part 2 — balance under one replay: the same seeded open-loop Poisson arrivals (``--rate``
+req/s for ``--replay-seconds``; each request asks the backend to hold it for an
+exponential service time of mean ``--service-ms``, drawn from the seed) through
+``least_loaded`` with 1 router process, 2 processes sharing load through Redis
+(``shared_load``), and 2 processes without Redis (each balancing on its own counts: the
+ai-dynamo/dynamo#589 failure). The backends sample their in-flight count per replica every
+10 ms in one loop (one clock for all replicas); imbalance = mean over samples of
+max/mean in-flight across replicas (samples with nothing in flight skipped), and the same
+on the time-averaged counts. Target: 2 processes within 10 % of 1.
+
+Everything runs on 127.0.0.1 on free ports; every process started is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from loadtest.bench_proxy import Child, free_port, spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+CLK = os.sysconf("SC_CLK_TCK")
+MODEL = "bench-model"
+SAMPLE_S = 0.01
+
+# ---------------------------------------------------------------------- backends (child process)
+
+_OK = b'{"id":"cmpl-b","object":"text_completion","model":"bench-model","choices":[{"index":0,"text":" ok",' \
+      b'"finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}'
+_DELAY = re.compile(rb'"delay_ms"\s*:\s*([0-9.]+)')
+
+
+def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype + b"\r\nContent-Length: " + \
+        str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+class Backends:
+    """Many fake replicas in one event loop: fixed answers, optional per-request delay, and an
+    in-flight sampler shared by all (``GET /_stats`` returns and resets the samples)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.inflight = [0] * len(ports)
+        self.samples: list[list[int]] = []
+        self.sampling = False
+
+    def stats(self) -> bytes:
+        out = orjson.dumps({"samples": self.samples})
+        self.samples = []
+        return out
+
+    async def sampler(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            if self.sampling:
+                self.samples.append(list(self.inflight))
+
+    def protocol(self, idx: int) -> asyncio.Protocol:
+        be = self
+
+        class P(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.t: asyncio.Transport = transport  # type: ignore[assignment]
+                self.buf = b""
+
+            def data_received(self, data: bytes) -> None:
+                self.buf += data
+                while True:
+                    end = self.buf.find(b"\r\n\r\n")
+                    if end < 0:
+                        return
+                    head = self.buf[:end]
+                    m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+                    n = int(m.group(1)) if m else 0
+                    if len(self.buf) < end + 4 + n:
+                        return
+                    body = self.buf[end + 4: end + 4 + n]
+                    self.buf = self.buf[end + 4 + n:]
+                    self.handle(head, body)
+
+            def handle(self, head: bytes, body: bytes) -> None:
+                line = head.split(b"\r\n", 1)[0]
+                if line.startswith(b"GET /_stats"):
+                    self.t.write(_response(be.stats()))
+                elif line.startswith(b"POST /_sampling/on"):
+                    be.samples, be.sampling = [], True
+                    self.t.write(_response(b"{}"))
+                elif line.startswith(b"POST /_sampling/off"):
+                    be.sampling = False
+                    self.t.write(_response(b"{}"))
+                elif line.startswith(b"GET"):
+                    self.t.write(_response(b"", b"text/plain"))
+                else:
+                    m = _DELAY.search(body)
+                    if m is None:
+                        self.t.write(_response(_OK))
+                        return
+                    be.inflight[idx] += 1
+                    asyncio.get_running_loop().call_later(float(m.group(1)) / 1000, self.done)
+
+            def done(self) -> None:
+                be.inflight[idx] -= 1
+                if not self.t.is_closing():
+                    self.t.write(_response(_OK))
+
+        return P()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i, port in enumerate(self.ports):
+            await loop.create_server(lambda i=i: self.protocol(i), "127.0.0.1", port, backlog=4096)
+        await self.sampler()
+
+
+def serve_backends(ports: list[int]) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(Backends(ports).run())
+    except ImportError:
+        asyncio.run(Backends(ports).run())
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / CLK
+    except OSError:
+        return 0.0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def router_cpu(sup: Child) -> float:
+    """CPU seconds of the router: the supervisor and its workers (or the single process)."""
+    return proc_cpu(sup.proc.pid) + sum(proc_cpu(c) for c in children(sup.proc.pid))
+
+
+def start_router(workers: int, policy: str, backends: list[str], redis_url: str | None, ns: str) -> Child:
+    port = free_port()
+    argv = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", policy,
+            "--no-request-log", "--log-level", "warning", "--workers", str(workers),
+            "--set", "scrape.enabled=false", "--set", "health.interval_s=30"]
+    if redis_url:
+        argv += ["--set", "index.backend=redis", "--set", f"index.url={redis_url}",
+                 "--set", f"index.namespace={ns}", "--set", f"shared_load.namespace={ns}"]
+        if workers == 1:
+            argv += ["--set", "shared_load.enabled=true"]  # same per-process work as each of 2 workers
+    for b in backends:
+        argv += ["--replica", f"{b}={MODEL}"]
+    child = spawn(f"router-w{workers}", argv, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 30  # every worker up (the first answers /health before the rest)
+    while workers > 1 and len(children(child.proc.pid)) < workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0 if workers > 1 else 0.2)
+    return child
+
+
+# ---------------------------------------------------------------------- part 1: throughput
+
+
+@dataclass
+class TputRow:
+    name: str
+    rps: float
+    router_cpu_ms: float
+    router_cores: float
+    gen_cores: float
+    errors: int
+
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body   = '{"model":"bench-model","prompt":"%s","max_tokens":1}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def run_wrk(url: str, duration: float, connections: int) -> tuple[float, int, float]:
+    """(req/s, non-2xx+socket errors, wrk CPU seconds) of one wrk run."""
+    script = Path(tempfile.mkstemp(prefix="bench-scale-", suffix=".lua")[1])
+    script.write_text(WRK_LUA % ("hello world " * 40))
+    proc = subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "-s", str(script),
+                             url + "/v1/completions"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    out = proc.stdout.read().decode()
+    _, _, ru = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    script.unlink()
+    m = re.search(r"Requests/sec:\s*([0-9.]+)", out)
+    if not m:
+        raise RuntimeError(f"wrk output not understood:\n{out}")
+    errs = sum(int(x) for x in re.findall(r"(?:Non-2xx or 3xx responses|connect|read|write|timeout)\s*:?\s*(\d+)",
+                                           out.split("Socket errors")[-1] if "Socket errors" in out else ""))
+    non2 = re.search(r"Non-2xx or 3xx responses:\s*(\d+)", out)
+    errs += int(non2.group(1)) if non2 else 0
+    return float(m.group(1)), errs, ru.ru_utime + ru.ru_stime
+
+
+async def run_aiohttp(url: str, duration: float, connections: int) -> tuple[float, int]:
+    import aiohttp
+
+    body = orjson.dumps({"model": MODEL, "prompt": "hello world " * 40, "max_tokens": 1})
+    done = errors = 0
+    end = time.perf_counter() + duration
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections)) as s:
+        async def worker() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < end:
+                try:
+                    async with s.post(url + "/v1/completions", data=body,
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        done += r.status == 200
+                        errors += r.status != 200
+                except aiohttp.ClientError:
+                    errors += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(connections)))
+        wall = time.perf_counter() - t0
+    return done / wall, errors
+
+
+def throughput(workers: int, backends: list[str], redis_url: str | None, args: argparse.Namespace) -> TputRow:
+    router = start_router(workers, "round_robin", backends, redis_url, f"scale-t{workers}")
+    try:
+        load = args.load
+        if load == "wrk":
+            run_wrk(router.url, 2.0, args.connections)  # warm-up
+        else:
+            asyncio.run(run_aiohttp(router.url, 2.0, args.connections))
+        c0, g0, t0 = router_cpu(router), os.times(), time.perf_counter()
+        if load == "wrk":
+            rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections)
+        else:
+            rps, errors = asyncio.run(run_aiohttp(router.url, args.duration, args.connections))
+            g1 = os.times()
+            gen_cpu = (g1.user - g0.user) + (g1.system - g0.system)
+        wall = time.perf_counter() - t0
+        cpu = router_cpu(router) - c0
+    finally:
+        router.stop()
+    n = rps * args.duration
+    return TputRow(f"{workers} worker{'s' if workers > 1 else ''}", rps, 1000 * cpu / n if n else 0.0,
+                   cpu / wall, gen_cpu / wall, errors)
+
+
+# ---------------------------------------------------------------------- part 2: balance
+
+
+@dataclass
+class BalanceRow:
+    name: str
+    sampled: float
+    averaged: float
+    mean_inflight: float
+    completed: int
+    errors: int
+
+
+def schedule(seed: int, rate: float, seconds: float, service_ms: float) -> list[tuple[float, float]]:
+    """(send time, service ms) pairs: Poisson arrivals, exponential service. Seeded."""
+    rng = random.Random(seed)
+    out: list[tuple[float, float]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        out.append((t, rng.expovariate(1.0 / service_ms)))
+
+
+async def replay(url: str, plan: list[tuple[float, float]]) -> tuple[int, int]:
+    import aiohttp
+
+    done = errors = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async def one(delay_ms: float) -> None:
+            nonlocal done, errors
+            body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "delay_ms": round(delay_ms, 2)})
+            try:
+                async with s.post(url + "/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    done += r.status == 200
+                    errors += r.status != 200
+            except aiohttp.ClientError:
+                errors += 1
+
+        t0 = time.perf_counter()
+        tasks = []
+        for at, delay in plan:
+            wait = t0 + at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(delay)))
+        await asyncio.gather(*tasks)
+    return done, errors
+
+
+def imbalance(samples: list[list[int]]) -> tuple[float, float, float]:
+    """(mean over samples of max/mean, max/mean of time-averaged counts, mean total in flight)."""
+    ratios = []
+    for s in samples:
+        total = sum(s)
+        if total > 0:
+            ratios.append(max(s) / (total / len(s)))
+    if not samples:
+        return float("nan"), float("nan"), 0.0
+    n = len(samples[0])
+    avg = [sum(s[i] for s in samples) / len(samples) for i in range(n)]
+    mean = sum(avg) / n
+    return (sum(ratios) / len(ratios) if ratios else float("nan"),
+            max(avg) / mean if mean else float("nan"), sum(avg))
+
+
+def _post(url: str) -> bytes:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read()
+
+
+def balance(name: str, workers: int, backends: list[str], redis_url: str | None,
+            plan: list[tuple[float, float]]) -> BalanceRow:
+    router = start_router(workers, "least_loaded", backends, redis_url, f"scale-b{workers}{int(bool(redis_url))}")
+    try:
+        _post(backends[0] + "/_sampling/on")
+        done, errors = asyncio.run(replay(router.url, plan))
+        _post(backends[0] + "/_sampling/off")
+        with urllib.request.urlopen(backends[0] + "/_stats", timeout=10) as r:
+            samples = orjson.loads(r.read())["samples"]
+    finally:
+        router.stop()
+    sampled, averaged, mean_total = imbalance(samples)
+    return BalanceRow(name, sampled, averaged, mean_total / len(backends), done, errors)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of measured load per throughput row")
+    p.add_argument("--connections", type=int, default=64, help="keep-alive client connections (throughput)")
+    p.add_argument("--load", choices=("wrk", "aiohttp"), default="wrk" if shutil.which("wrk") else "aiohttp",
+                   help="load generator for the throughput part (default wrk when installed)")
+    p.add_argument("--replicas", type=int, default=4, help="fake backends (default 4)")
+    p.add_argument("--rate", type=float, default=60.0, help="replay arrivals per second (default 60)")
+    p.add_argument("--service-ms", type=float, default=250.0, help="mean service time per request (default 250)")
+    p.add_argument("--replay-seconds", type=float, default=20.0, help="replay length (default 20)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--only", choices=("throughput", "balance"), help="run one part only")
+    p.add_argument("--serve-backends", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_backends:
+        serve_backends([int(x) for x in args.serve_backends.split(",")])
+        return 0
+
+    from tests.support.services import RedisServer
+
+    ports = [free_port() for _ in range(args.replicas)]
+    backends_proc = spawn("backends", [sys.executable, "-m", "loadtest.bench_scale", "--serve-backends",
+                                       ",".join(map(str, ports))], f"http://127.0.0.1:{ports[0]}")
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    redis = RedisServer().start()
+    load1 = os.getloadavg()[0]
+    try:
+        print(f"bench_scale: {os.cpu_count()} CPUs, load average {load1:.2f} at start; {args.replicas} fake "
+              f"backends in one process; Redis on 127.0.0.1:{redis.port}")
+        if args.only in (None, "throughput"):
+            rows = [throughput(1, urls, redis.url, args), throughput(2, urls, redis.url, args)]
+            print(f"\nthroughput: round_robin, {args.connections} keep-alive connections, {args.duration:.0f} s "
+                  f"per row, load generator: {args.load} in its own process")
+            print(f"{'router':<12}{'req/s':>10}{'CPU-ms/req':>12}{'router cores':>14}{'gen cores':>11}"
+                  f"{'errors':>8}{'req/s ratio':>13}")
+            for r in rows:
+                print(f"{r.name:<12}{r.rps:>10.0f}{r.router_cpu_ms:>12.3f}{r.router_cores:>14.2f}"
+                      f"{r.gen_cores:>11.2f}{r.errors:>8}{r.rps / rows[0].rps:>13.2f}")
+            print("target: 2 workers >= 1.8 x 1 worker when each worker has a free core and the generator "
+                  f"is not saturated (this machine: {os.cpu_count()} CPUs shared by router workers, backends, "
+                  "generator and Redis)")
+        if args.only in (None, "balance"):
+            plan = schedule(args.seed, args.rate, args.replay_seconds, args.service_ms)
+            rows_b = [balance("1 process", 1, urls, redis.url, plan),
+                      balance("2 processes, shared load", 2, urls, redis.url, plan),
+                      balance("2 processes, own counts", 2, urls, None, plan)]
+            print(f"\nbalance: least_loaded, one replay of {len(plan)} requests (Poisson {args.rate:.0f}/s, "
+                  f"exponential service mean {args.service_ms:.0f} ms, seed {args.seed}), {args.replicas} replicas, "
+                  f"in flight sampled every {SAMPLE_S * 1000:.0f} ms at the backends")
+            print(f"{'routers':<28}{'max/mean (sampled)':>20}{'max/mean (avg)':>16}{'in flight/replica':>19}"
+                  f"{'ok':>7}{'errors':>8}{'vs 1 process':>14}")
+            for r in rows_b:
+                print(f"{r.name:<28}{r.sampled:>20.3f}{r.averaged:>16.3f}{r.mean_inflight:>19.2f}{r.completed:>7}"
+                      f"{r.errors:>8}{r.sampled / rows_b[0].sampled:>14.3f}")
+            print("target: 2 processes with shared load within 10 % of 1 process (vs 1 process <= 1.10)")
+    finally:
+        redis.stop()
+        backends_proc.stop()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
