@@ -9,7 +9,9 @@ API::
     eng = EngineModel(config: EngineConfig, cost: CostModel)
     eng.submit(req: Request, now: float) -> None       # joins the waiting queue
     eng.cancel(req_id: str, now: float) -> bool        # frees its blocks; False if unknown
-    eng.step(now: float) -> StepResult                 # one continuous-batching step
+    eng.step(now: float) -> StepResult                 # one continuous-batching step (starts at
+                                                       # max(now, previous end), never before a
+                                                       # request it admits has arrived)
     eng.fast_forward(now, until, max_steps) -> StepResult   # several decode-only steps at once
     eng.has_work() -> bool
     eng.num_running, eng.num_waiting, eng.kv_usage, eng.stats (EngineStats counters)
@@ -352,6 +354,8 @@ class EngineModel:
     def step(self, now: float) -> StepResult:
         cfg, kv = self.config, self.kv
         start = max(now, self.busy_until)
+        if not self.running and self.waiting:  # an idle engine starts when the first request is there
+            start = max(start, self.waiting[0].arrival)
         res = StepResult(start=start, duration=0.0)
         if not (self.running or self.waiting):
             return res
@@ -389,6 +393,8 @@ class EngineModel:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
+                if r.arrival > start:  # never scheduled before it arrives
+                    break
                 max_hit = (r.num_tokens - 1) // bs
                 hits = kv.match(self._hashes(r, max_hit), max_hit) if kv.enable_prefix_caching else []
                 n_cached = len(hits) * bs

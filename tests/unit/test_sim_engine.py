@@ -271,3 +271,21 @@ def test_bad_requests_are_rejected():
     eng.submit(Request("c", 10, 5, block_hashes=[]), 0.0)
     with pytest.raises(ValueError):
         eng.submit(Request("c", 10, 5, block_hashes=[]), 0.0)
+
+
+def test_no_request_is_scheduled_before_it_arrives():
+    eng = engine()
+    late = Request("late", 10, 2, block_hashes=[])
+    eng.submit(late, 5.0)
+    res = eng.step(0.0)  # idle engine: starts when the request is there
+    assert res.start == 5.0 and late.first_token_time > 5.0
+    busy = Request("busy", 10, 50, block_hashes=[])
+    eng.submit(busy, 6.0)
+    t = eng.step(6.0).end
+    later = Request("later", 10, 2, block_hashes=[])
+    eng.submit(later, t + 0.5)  # arrives in the future of the running engine
+    res = eng.step(t)
+    assert later.num_computed == 0 and eng.num_waiting == 1  # not admitted yet
+    while later.first_token_time is None:
+        res = eng.step(res.end)
+    assert later.scheduled_time >= later.arrival
