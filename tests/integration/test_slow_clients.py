@@ -179,7 +179,9 @@ def test_rate_limiter_refills_and_bounds_its_table():
     for i in range(10):
         rl.allow(b"other%d" % i, 1.0)
     assert len(rl) == 3
-    assert all(b"k" not in d for d in rl._buckets)  # keys are kept as keyed digests
+    secret = b"sk-a-long-client-secret"
+    rl.allow(secret, 2.0)
+    assert all(len(d) == 16 and secret not in d for d in rl._buckets)  # keys kept as keyed digests
 
 
 async def _until(cond, timeout: float) -> None:
