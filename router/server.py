@@ -313,7 +313,8 @@ async def handle_admin_list(request: web.Request) -> web.Response:
     reps = []
     for r, s in zip(st.pool.replicas(), states_summary([r.state for r in st.pool.replicas()]), strict=True):
         s.update(last_error=r.last_error, ejections=r.ejections,
-                 engine=r.load.engine if r.load else "unknown")
+                 engine=r.load.engine if r.load else "unknown",
+                 breaker=st.proxy.breakers.states().get(r.cfg.id, "closed"))
         reps.append(s)
     return web.Response(body=orjson.dumps({"policy": st.proxy.policy_name, "replicas": reps}),
                         content_type="application/json")

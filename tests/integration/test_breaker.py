@@ -90,7 +90,7 @@ async def _served(url: str, n: int) -> list[str]:
 
 async def test_engine_returning_500s_is_cut_off_probed_and_readmitted():
     async with fleet({"mode": "http500"}, {}, {}) as engines, \
-            start_router(engines, breaker=BREAKER, **QUIET) as router:
+            start_router(engines, breaker=BREAKER, auth={"admin_key": "adm"}, **QUIET) as router:
         bad = engines[0]
         served = await _served(router.url, 12)
         assert "e0" not in served  # every request retried onto a good replica
@@ -100,6 +100,12 @@ async def test_engine_returning_500s_is_cut_off_probed_and_readmitted():
         metrics = (await _get(router.url + "/metrics")).decode()
         assert 'kvrouter_breaker_state{replica="e0"} 1.0' in metrics
         assert 'kvrouter_breaker_opened_total{replica="e0"} 1.0' in metrics
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/admin/replicas",
+                                                       headers={"Authorization": "Bearer adm"}) as r:
+            listed = {x["id"]: x["breaker"] for x in (await r.json())["replicas"]}
+        assert listed == {"e0": "open", "e1": "closed", "e2": "closed"}
         bad.mode = "ok"  # the engine recovers
         await asyncio.sleep(1.1)
         served = await _served(router.url, 9)
