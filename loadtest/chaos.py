@@ -147,12 +147,16 @@ def summarize(outs: list[Outcome], faults: list[Fault]) -> dict[str, Any]:
             "hit_during": hit_rate(outs, f.t_start, end),
             "hit_after": hit_rate(outs, end, end + w),
         })
+    def in_fault(o: Outcome) -> bool:
+        return any(f.t_start <= o.t_end < (f.t_end or f.t_start) + 1.0 for f in faults)
+
     details: dict[str, int] = {}
     for o in outs:
         if o.kind != "completed":
             key = f"{o.kind}: {o.detail}"
             details[key] = details.get(key, 0) + 1
     return {"sent": len(outs), **kinds, "rerouted": sum(1 for o in outs if o.rerouted),
+            "failed_outside_faults": sum(1 for o in outs if o.kind == "failed" and not in_fault(o)),
             "hit_rate": hit_rate(outs, -math.inf, math.inf), "faults": rows, "details": details}
 
 
@@ -163,7 +167,7 @@ def _pct(v: float | None) -> str:
 def render(s: dict[str, Any]) -> str:
     out = [f"requests sent          {s['sent']:>6}",
            f"completed              {s['completed']:>6}",
-           f"failed (OpenAI error)  {s['failed']:>6}",
+           f"failed (OpenAI error)  {s['failed']:>6}   ({s['failed_outside_faults']} outside the fault windows)",
            f"lost                   {s['lost']:>6}",
            f"hung                   {s['hung']:>6}",
            f"rerouted by the client {s['rerouted']:>6}   (connection refused by a stopped router; no byte sent)",

@@ -39,7 +39,9 @@ def test_summary_windows_and_soak_check():
     row = s["faults"][0]
     assert (row["sent"], row["failed"], row["lost"]) == (3, 1, 0)
     assert (row["hit_before"], row["hit_during"], row["hit_after"]) == (0.9, 0.1, 0.8)
-    assert s["completed"] == 5 and s["failed"] == 1
+    assert s["completed"] == 5 and s["failed"] == 1 and s["failed_outside_faults"] == 0
+    late = Outcome(10, 0, 30.0, 31.5, "failed", "stream error event")
+    assert summarize([*outs, late], [Fault("f", 10.0, 20.0)])["failed_outside_faults"] == 1
     assert flat([(t, 100, 50) for t in range(9)])[0]
     assert not flat([(t, 100 + 30 * t, 50) for t in range(9)])[0]
     assert not flat([(t, 100, 50 + 20 * t) for t in range(9)])[0]
