@@ -134,6 +134,8 @@ class _Metrics:
         self.lag = Histogram("kvrouter_kv_event_lag_seconds",
                              "Engine storing a block (batch timestamp) to the index knowing it",
                              buckets=LAG_BUCKETS, registry=registry)
+        self.stale_removals = c("kvrouter_kv_event_stale_removals_skipped",
+                                "Evicted blocks not removed: the router recorded them after the eviction")
         self.approx_expired = c("kvrouter_kv_event_approx_expired_blocks",
                                 "Blocks the router recorded itself that no engine event confirmed in time")
 
@@ -184,6 +186,9 @@ class EventSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: list[zmq.asyncio.Socket] = []
         self._last_log = 0.0
+        # (replica, router hashes, engine batch ts) -> the hashes to really remove; set by
+        # router.exact_index.ExactAwareIndex to skip evictions older than its own records.
+        self.removal_filter: Callable[[str, Sequence[int], float], list[int]] | None = None
 
     def _group_sockets(self) -> dict[tuple[str, bool], list[_Replica]]:
         groups: dict[tuple[str, bool], list[_Replica]] = {}
@@ -404,7 +409,13 @@ class EventSubscriber:
                 if op.kind == "record":
                     await self.index.record(r.source.model, op.hashes, rid)
                 elif op.kind == "remove":
-                    await self.index.remove(rid, op.hashes)
+                    hashes = op.hashes
+                    if self.removal_filter is not None:
+                        hashes = self.removal_filter(rid, hashes, batch.ts)
+                        if len(hashes) < len(op.hashes):
+                            self.metrics.stale_removals.labels(rid).inc(len(op.hashes) - len(hashes))
+                    if hashes:
+                        await self.index.remove(rid, hashes)
                 else:
                     await self.index.clear(rid)
                     r.stats.clears += 1

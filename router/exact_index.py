@@ -33,18 +33,27 @@ class ExactAwareIndex:
     (approximate entries bridge the time until the engine's event arrives), and for a
     replica whose events are followed each such record is checked ``approx_ttl_s`` later:
     blocks no engine event confirmed by then (the request never reached prefill, the engine
-    tokenizes differently, ...) are removed. Events always win: ``BlockRemoved`` and
-    ``AllBlocksCleared`` delete entries whatever wrote them. Everything else is delegated.
+    tokenizes differently, ...) are removed. Events win: ``BlockRemoved`` and
+    ``AllBlocksCleared`` delete entries whatever wrote them — except a ``BlockRemoved``
+    whose batch is older (engine timestamp) than the router's own record of that block on
+    that replica: the eviction predates the routing decision, the request just sent will
+    compute and store the block again, so the removal is stale and skipped (the block is
+    still removed by the check above if no ``BlockStored`` confirms it). Engine and router
+    clocks must agree to well under a second for this. Everything else is delegated.
     """
 
     def __init__(self, inner: Any, subscriber: EventSubscriber, *, approx_ttl_s: float = 30.0,
                  sweep_interval_s: float = 1.0, max_pending: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.inner = inner
         self.subscriber = subscriber
+        subscriber.removal_filter = self.fresh_removals
         self.approx_ttl_s = approx_ttl_s
         self.sweep_interval_s = sweep_interval_s
         self.clock = clock
+        self.wall = wall
+        self._recorded: dict[str, dict[int, float]] = {}  # replica -> block -> wall time of last record
         self.expired_blocks = 0  # approximate blocks removed for want of confirmation
         self._pending: deque[tuple[float, str, tuple[int, ...]]] = deque(maxlen=max_pending)
         self._task: asyncio.Task[None] | None = None
@@ -74,6 +83,18 @@ class ExactAwareIndex:
     def _note(self, hashes: Sequence[int], replica: str) -> None:
         if hashes and self.subscriber.follows(replica):
             self._pending.append((self.clock() + self.approx_ttl_s, replica, tuple(hashes)))
+            rec = self._recorded.setdefault(replica, {})
+            t = self.wall()
+            for h in hashes:
+                rec[h] = t
+
+    def fresh_removals(self, replica: str, hashes: Sequence[int], engine_ts: float) -> list[int]:
+        """The blocks of an engine eviction batch (timestamp ``engine_ts``) to remove: all but
+        those the router recorded on ``replica`` after the eviction happened."""
+        rec = self._recorded.get(replica)
+        if not rec:
+            return list(hashes)
+        return [h for h in hashes if rec.get(h, float("-inf")) <= engine_ts]
 
     def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
         self.inner.record_nowait(model, hashes, replica)
@@ -100,6 +121,12 @@ class ExactAwareIndex:
         pend = self._pending
         while pend and pend[0][0] <= now:
             _, replica, hashes = pend.popleft()
+            rec = self._recorded.get(replica)
+            if rec:
+                old = self.wall() - self.approx_ttl_s
+                for h in hashes:
+                    if rec.get(h, old) <= old:
+                        rec.pop(h, None)
             if not self.subscriber.follows(replica):
                 continue
             tracker = self.subscriber.tracker(replica)

@@ -348,3 +348,36 @@ async def test_metrics_exported():
     finally:
         await sub.close()
         await pub.close()
+
+
+async def test_eviction_older_than_the_routers_record_is_skipped():
+    """The router routed a prefix to r0 after r0 evicted it (the event was still in flight):
+    the request will store it again, so that stale removal must not wipe the record."""
+    pub, sub, index = await start_pair()
+    wall = [1000.0]
+    wrapped = ExactAwareIndex(index, sub, approx_ttl_s=5.0, wall=lambda: wall[0])
+    try:
+        t = toks(32, 13)
+        rh = router_chain(t)
+        await pub.publish([stored_chain(t, [1, 2])], ts=990.0)
+        await eventually(lambda: _eq(held(index, "r0", rh), 2))
+        await wrapped.record("m", rh, "r0")  # routing decision at wall time 1000
+        await pub.publish([BlockRemoved((2,), "GPU"), BlockRemoved((1,), "GPU")], ts=999.0)  # evicted at 999
+
+        async def applied() -> bool:
+            return not sub.tracker("r0").holds(rh[0])
+
+        await eventually(applied)
+        assert await held(index, "r0", rh) == 2  # the stale removal was skipped
+        # the request's prefill stores the blocks again; a later eviction does remove them
+        await pub.publish([stored_chain(t, [1, 2])], ts=1001.0)
+        await eventually(lambda: _holds_async(sub, rh))
+        await pub.publish([BlockRemoved((2,), "GPU"), BlockRemoved((1,), "GPU")], ts=1002.0)
+        await eventually(lambda: _eq(held(index, "r0", rh), 0))
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def _holds_async(sub, hashes) -> bool:
+    return all(sub.tracker("r0").holds(h) for h in hashes)
