@@ -93,6 +93,9 @@ def build_body(req: TraceRequest, opts: LiveOptions, model: str, prompts: Prompt
         endpoint = req.endpoint
         if opts.model or "model" not in body:
             body["model"] = model
+        if opts.max_output_tokens is not None:
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            body[key] = min(int(body.get(key) or opts.max_output_tokens), opts.max_output_tokens)
     else:
         endpoint = opts.endpoint
         body = {"model": model, "max_tokens": n_out, "temperature": 0.0}

@@ -114,3 +114,21 @@ def test_replay_cli_writes_records_and_summary(sims, tmp_path, capsys):
     assert sorted(r["i"] for r in lines) == list(range(8))
     assert "engine_hit_rate" in summary
     assert replay_cli.main([str(trace), "--target", "ftp://x"]) == 2
+
+
+async def test_openai_body_trace_is_sent_as_recorded(sims, tmp_path):
+    from loadtest.traces.formats import load_trace
+
+    sys_msg = {"role": "system", "content": "You answer briefly. " * 8}
+    rows = [{"timestamp": t, "body": {"model": MODEL, "messages": [sys_msg, {"role": "user", "content": q}],
+                                      "max_tokens": 50}} for t, q in ((0.0, "first?"), (0.05, "second?"))]
+    rows.append({"timestamp": 0.1, "body": {"model": MODEL, "prompt": "plain completion", "max_tokens": 3}})
+    path = tmp_path / "bodies.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_trace(path)
+    res = await replay_live(reqs, LiveOptions(target=sims[1].url, max_output_tokens=4))
+    assert [r["status"] for r in res.records] == [200, 200, 200]
+    # the parser's byte-tokenizer length is what the engine counted (same chat template)
+    assert [r["prompt_tokens"] for r in res.records] == [r.input_length for r in reqs]
+    assert [r["completion_tokens"] for r in res.records] == [4, 4, 3]
+    assert res.records[1]["cached_tokens"] >= 16 * (len(sys_msg["content"]) // 16)
