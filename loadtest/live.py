@@ -15,7 +15,8 @@ record (a plain dict, written as one JSONL line by the CLI):
 Prompts come from the trace's hash ids (:class:`~loadtest.traces.prompts.PromptBuilder`):
 ASCII text (block-exact with the byte tokenizer) or token-id prompts. When
 ``engine_metrics`` URLs are given, their ``/metrics`` are scraped before and after and the
-vLLM prefix-cache counters' deltas give a second, engine-side hit rate.
+vLLM prefix-cache counters' deltas give a second, engine-side hit rate (``auto``: the
+replicas a kvrouter target lists at ``GET /admin/replicas``, which needs its admin key).
 
 The only I/O module of replay; everything it computes from records is in
 :mod:`loadtest.summary`.
@@ -53,6 +54,7 @@ class LiveOptions:
     replica_header: str = "x-kvrouter-replica"
     engine_metrics: tuple[str, ...] = ()
     api_key: str | None = None
+    admin_key: str | None = None  # for engine_metrics=("auto",): kvrouter's admin API
     seed: int = 0
     vllm_extensions: bool = True  # send ignore_eos + min_tokens so outputs have the trace's length
 
@@ -194,6 +196,21 @@ async def first_model(session: aiohttp.ClientSession, target: str, api_key: str 
     return str(models[0])
 
 
+async def router_replicas(session: aiohttp.ClientSession, target: str, api_key: str | None) -> list[str]:
+    """Replica URLs of a kvrouter target (``GET /admin/replicas``); [] when unavailable."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with session.get(base_url(target) + "/admin/replicas", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return []
+            data = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return []
+    reps = data.get("replicas") if isinstance(data, dict) else None
+    return [str(x["url"]) for x in reps or () if isinstance(x, dict) and x.get("url")]
+
+
 async def scrape(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, float] | None]:
     """Parsed ``/metrics`` of each URL (None where the scrape failed)."""
     async def one(u: str) -> dict[str, float] | None:
@@ -228,6 +245,9 @@ async def replay_live(requests: Sequence[TraceRequest], opts: LiveOptions,
     conn = aiohttp.TCPConnector(limit=opts.max_concurrency + 4, force_close=False)
     async with aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20) as session:
         model = opts.model or await first_model(session, opts.target, opts.api_key)
+        if tuple(opts.engine_metrics) == ("auto",):  # ask a kvrouter target for its replicas
+            opts.engine_metrics = tuple(await router_replicas(session, opts.target,
+                                                              opts.admin_key or opts.api_key))
         before = await scrape(session, opts.engine_metrics) if opts.engine_metrics else []
         sem = asyncio.Semaphore(opts.max_concurrency)
         records: list[dict[str, Any]] = []

@@ -79,9 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--replica-header", default="x-kvrouter-replica",
                       help="response header naming the replica that served the request")
     live.add_argument("--engine-metrics", nargs="+", default=[], metavar="URL",
-                      help="engine /metrics URLs to scrape before and after (prefix-cache deltas)")
+                      help="engine /metrics URLs to scrape before and after (prefix-cache deltas); "
+                           "'auto': the replicas a kvrouter target lists at /admin/replicas (needs --admin-key)")
     live.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"),
                       help="bearer token (default $KVROUTER_API_KEY)")
+    live.add_argument("--admin-key", default=os.environ.get("KVROUTER_ADMIN_KEY"),
+                      help="kvrouter admin key for --engine-metrics auto (default $KVROUTER_ADMIN_KEY)")
     live.add_argument("--no-vllm-extensions", action="store_true",
                       help="do not send ignore_eos/min_tokens (strict OpenAI servers)")
     live.add_argument("--out", default=None, help="write per-request records here (JSONL)")
@@ -135,7 +138,7 @@ def run_live(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
         speed=args.speed, max_concurrency=args.max_concurrency, duration_s=args.duration,
         timeout_s=args.timeout, max_output_tokens=args.max_output_tokens,
         replica_header=args.replica_header, engine_metrics=tuple(args.engine_metrics),
-        api_key=args.api_key, seed=args.seed, vllm_extensions=not args.no_vllm_extensions)
+        api_key=args.api_key, admin_key=args.admin_key, seed=args.seed, vllm_extensions=not args.no_vllm_extensions)
     opts.validate()
     show = sys.stderr.isatty() if args.progress is None else args.progress
     with ExitStack() as stack:
@@ -161,7 +164,12 @@ def run_live(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
             if progress is not None and task is not None:
                 progress.update(task, advance=1, errors=errors)
 
-        result = asyncio.run(replay_live(reqs, opts, on_record))
+        try:
+            result = asyncio.run(replay_live(reqs, opts, on_record))
+        except KeyboardInterrupt:
+            print("kvrouter replay: interrupted" + (f"; records so far in {args.out}" if args.out else ""),
+                  file=sys.stderr)
+            return 130
     if args.json:
         print(json.dumps(result.summary, indent=2))
     else:

@@ -55,11 +55,12 @@ async def test_replay_through_router_names_replicas_and_follows_prefixes(sims):
     cfg = Config.from_dict({
         "listen": {"host": "127.0.0.1", "port": 0}, "policy": {"name": "cache_aware"},
         "replicas": [{"id": f"s{i}", "url": s.url, "models": [MODEL]} for i, s in enumerate(sims)],
-        "scrape": {"interval_s": 0.2}, "logging": {"requests": False}})
+        "scrape": {"interval_s": 0.2}, "logging": {"requests": False}, "auth": {"admin_key": "adm"}})
     server = await Server(cfg, seed=1).start()
     try:
         reqs = chat_trace()
-        res = await replay_live(reqs, LiveOptions(target=server.url, speed=4.0, model=MODEL))
+        res = await replay_live(reqs, LiveOptions(target=server.url, speed=4.0, model=MODEL,
+                                                  engine_metrics=("auto",), admin_key="adm"))
     finally:
         await server.stop()
     s = res.summary
@@ -67,6 +68,9 @@ async def test_replay_through_router_names_replicas_and_follows_prefixes(sims):
     assert {r["replica"] for r in res.records} <= {"s0", "s1"}
     assert sum(d["requests"] for d in s["per_replica"].values()) == len(reqs)
     assert s["hit_rate"] > 0.5 * ideal_infinite(reqs).token_rate
+    # "auto" found both engines behind the router, and their counters agree with usage
+    assert set(s["engine_prefix_cache"]) == {sims[0].url, sims[1].url}
+    assert s["engine_hit_rate"] == pytest.approx(s["hit_rate"], abs=0.02)
 
 
 async def test_open_loop_speed_concurrency_bound_and_duration(sim_factory):
