@@ -131,6 +131,8 @@ def _print_live(s: dict[str, Any]) -> None:
 
 
 def run_live(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
+    import aiohttp
+
     from loadtest.live import LiveOptions, replay_live
 
     opts = LiveOptions(
@@ -170,6 +172,9 @@ def run_live(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
             print("kvrouter replay: interrupted" + (f"; records so far in {args.out}" if args.out else ""),
                   file=sys.stderr)
             return 130
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            print(f"kvrouter replay: cannot use {args.target}: {exc}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(result.summary, indent=2))
     else:

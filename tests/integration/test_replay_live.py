@@ -118,6 +118,9 @@ def test_replay_cli_writes_records_and_summary(sims, tmp_path, capsys):
     assert sorted(r["i"] for r in lines) == list(range(8))
     assert "engine_hit_rate" in summary
     assert replay_cli.main([str(trace), "--target", "ftp://x"]) == 2
+    # nothing listening: no model to ask for, a message and exit 1 (no traceback)
+    assert replay_cli.main([str(trace), "--block-size", "16", "--target", "http://127.0.0.1:9"]) == 1
+    assert "cannot use http://127.0.0.1:9" in capsys.readouterr().err
 
 
 async def test_openai_body_trace_is_sent_as_recorded(sims, tmp_path):
