@@ -25,12 +25,17 @@ current generation writes it with the current generation number (a refresh moves
 forward); after ``S`` such writes the generation advances. Only blocks of the last ``w``
 generations match, so a replica holds at most ``C`` live blocks and the least recently
 recorded generation drops first (LRU at 1/8-capacity granularity). A chain is written
-tail-first, so heads are never older than tails and present blocks stay prefix-closed.
-Stale entries are deleted by a sweep that visits ``nb × new / S`` buckets per record (a
-full pass per generation), so memory stays ≤ (w+1)/w × C entries. ``clear(R)`` is O(1):
-it advances ``g:R`` by ``w`` (everything stale at once; the sweep deletes it later).
+tail-first, so heads are never older than tails and present blocks stay prefix-closed;
+the same argument makes "already in the current generation" prefix-closed, so a record
+finds what it must write with a binary search (≤ 1 + log2 n ``HGET``s: a repeated or
+growing prompt costs a few calls, not one per block). Stale entries are deleted by a sweep
+that visits ``nb × new / S`` buckets per record (a full pass per generation), so memory
+stays ≤ (w+1)/w × C entries. ``clear(R)`` is O(1): it advances ``g:R`` by ``w``
+(everything stale at once; the sweep deletes it later).
 
-TTL backstop: every key touched by a record gets ``PEXPIRE ttl``; an idle model's keys vanish.
+TTL backstop: every bucket a record writes gets ``PEXPIRE ttl``, and so does the meta hash;
+a generation lasts at most ``ttl/2``, so blocks in use are rewritten (and renewed) at least
+that often, while an idle model's keys vanish.
 
 Lookup: one ``EVALSHA`` (on a lean RESP connection, :mod:`router.index.resp`, because
 redis-py's per-call CPU would eat the hot-path budget) whose data argument is the packed
@@ -136,30 +141,58 @@ local cap = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[5])
 local maxgen = tonumber(ARGV[6])
 local target = tonumber(ARGV[7])
-local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep)
+local now = tonumber(redis.call('TIME')[1])
+local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep, 't:' .. rep)
 local g = tonumber(st[1]) or 0
 local cnt = tonumber(st[2]) or 0
 local nb = tonumber(st[3]) or math.max(1, math.ceil(cap / target))
 local cur = tonumber(st[4]) or 0
+local t0 = tonumber(st[5]) or now
+local changed = st[1] == false
+if now - t0 >= ttl / 2000 then
+  -- a generation lasts at most ttl/2: blocks in use are rewritten (and their TTL renewed)
+  g = g + 1
+  cnt = 0
+  t0 = now
+  changed = true
+end
 local w = math.max(1, math.min(maxgen, cap))
 local S = math.max(1, math.floor(cap / w))
 local n = #hs / 8
-local touched = {}
-local new = 0
-for i = n, 1, -1 do
+local function key_of(i)
   local h = string.sub(hs, i * 8 - 7, i * 8)
   local b1, b2, b3 = string.byte(h, 1, 3)
-  local key = kp .. ((b1 + b2 * 256 + b3 * 65536) % nb)
+  return kp .. ((b1 + b2 * 256 + b3 * 65536) % nb), h
+end
+local function current(i)
+  local key, h = key_of(i)
   local v = redis.call('HGET', key, h)
-  if (not v) or tonumber(v) ~= g then
-    if cnt >= S then
-      g = g + 1
-      cnt = 0
-    end
-    redis.call('HSET', key, h, g)
-    cnt = cnt + 1
-    new = new + 1
+  return v and tonumber(v) == g
+end
+-- Blocks already in the current generation form a prefix of the chain (a chain is written
+-- tail-first, so a current block's whole prefix was written after it): find its end.
+local done = 0
+if n > 0 and current(n) then
+  done = n
+elseif n > 1 then
+  local lo, hi = 0, n - 1
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if current(mid) then lo = mid else hi = mid - 1 end
   end
+  done = lo
+end
+local touched = {}
+local new = 0
+for i = n, done + 1, -1 do
+  local key, h = key_of(i)
+  if cnt >= S then
+    g = g + 1
+    cnt = 0
+  end
+  redis.call('HSET', key, h, g)
+  cnt = cnt + 1
+  new = new + 1
   touched[key] = true
 end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
@@ -173,8 +206,11 @@ for s = 1, sweep do
     if tonumber(all[j + 1]) <= floor then redis.call('HDEL', key, all[j]) end
   end
 end
-redis.call('HSET', meta, 'g:' .. rep, g, 'n:' .. rep, cnt, 'b:' .. rep, nb, 'c:' .. rep, cur, 'w:' .. rep, w)
-redis.call('PEXPIRE', meta, ttl)
+if new > 0 or changed then
+  redis.call('HSET', meta, 'g:' .. rep, g, 'n:' .. rep, cnt, 'b:' .. rep, nb, 'c:' .. rep, cur,
+             'w:' .. rep, w, 't:' .. rep, t0)
+  redis.call('PEXPIRE', meta, ttl)
+end
 return new
 """
 
