@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = dict(args.param)
             reqs = generate(args.kind, seed=args.seed, block_size=args.block_size, **kwargs)
             n = write_mooncake(reqs, args.out)
-            print(f"wrote {n} requests to {args.out} (Mooncake JSONL, {args.block_size}-token blocks)")
+            hint = "" if args.block_size == 512 else f"; read it with --block-size {args.block_size}"
+            print(f"wrote {n} requests to {args.out} (Mooncake JSONL, {args.block_size}-token blocks{hint})")
             return 0
         reqs = load_trace(args.file, args.format, args.block_size, args.limit)
         caps = list(args.capacity_blocks)
