@@ -100,6 +100,9 @@ class RouterState:
 
     def _replica_removed(self, replica_id: str) -> None:
         self.prefix.replica_removed(replica_id)
+        proxy = getattr(self, "proxy", None)
+        if proxy is not None and self.pool.get(replica_id) is None:  # left the pool, not just ejected
+            proxy.breakers.forget(replica_id)
 
     def _health_changed(self, replica_id: str, healthy: bool) -> None:
         if not healthy:

@@ -200,3 +200,13 @@ def test_breaker_config_validated():
     with pytest.raises(ConfigError, match="breaker.failure_threshold"):
         Config.from_dict({"breaker": {"failure_threshold": 0}})
     assert orjson.dumps(Config.from_dict({"breaker": {"enabled": False}}).to_dict()["breaker"])
+
+
+async def test_a_removed_replica_drops_its_breaker():
+    async with fleet({"mode": "http500"}, {}) as engines, start_router(
+            engines, breaker=BREAKER, auth={"admin_key": "adm"}, **QUIET) as router:
+        await _served(router.url, 4)
+        breakers = router.state.proxy.breakers
+        assert breakers.states()["e0"] == OPEN
+        router.state.pool.remove("e0")
+        assert "e0" not in breakers.states() and breakers.blocked(0.0) == frozenset()
