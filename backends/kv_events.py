@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,7 +181,7 @@ def _event_from_fields(kind: str, f: dict[str, Any]) -> KVEvent:
         return BlockStored(
             block_hashes=_hash_list(f["block_hashes"], "block_hashes"),
             parent_block_hash=None if parent is None else normalize_hash(parent),
-            token_ids=tuple(_int(t, "token_ids[]") for t in toks),
+            token_ids=_token_tuple(toks),
             block_size=_int(f["block_size"], "block_size"),
             lora_id=None if f.get("lora_id") is None else _int(f["lora_id"], "lora_id"),
             medium=_opt_str(f.get("medium"), "medium"),
@@ -197,6 +198,15 @@ def _event_from_fields(kind: str, f: dict[str, Any]) -> KVEvent:
             group_idx=_int(f.get("group_idx") or 0, "group_idx"),
         )
     return AllBlocksCleared(medium=_opt_str(f.get("medium"), "medium"))
+
+
+def _token_tuple(toks: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
+    """Token ids as a tuple, checked to be integers at C speed (the hot part of decoding)."""
+    try:
+        array("q", toks)
+    except (TypeError, OverflowError) as exc:
+        raise KVEventDecodeError(f"token_ids must be 64-bit integers: {exc}") from exc
+    return tuple(toks)
 
 
 def _freeze(x: Any) -> Any:

@@ -118,6 +118,8 @@ def test_bytes_hashes_normalised_to_last_8_bytes():
     msgpack.packb([1.0, [[1, 2]], 0]),     # array without type name
     msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}], 0]),  # missing fields
     msgpack.packb([1.0, [["BlockStored", [1], None, "notalist", 16]], 0]),
+    msgpack.packb([1.0, [["BlockStored", [1], None, [1, "x"], 16]], 0]),  # non-int token
+    msgpack.packb([1.0, [["BlockStored", [1], None, [2**63], 16]], 0]),  # token out of int64 range
     msgpack.packb([1.0, [["BlockRemoved", [1.5]]], 0]),  # float hash
     msgpack.packb([1.0, [["BlockRemoved", "abc"]], 0]),
     msgpack.packb([1.0, [7], 0]),
