@@ -171,6 +171,13 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def machine_idle() -> tuple[float, float]:
+    """(idle jiffies, total jiffies) of the whole machine from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return float(vals[3] + vals[4]), float(sum(vals))
+
+
 def router_cpu(sup: Child) -> float:
     """CPU seconds of the router: the supervisor and its workers (or the single process)."""
     return proc_cpu(sup.proc.pid) + sum(proc_cpu(c) for c in children(sup.proc.pid))
@@ -206,6 +213,8 @@ class TputRow:
     router_cpu_ms: float
     router_cores: float
     gen_cores: float
+    backend_cores: float
+    idle: float
     errors: int
 
 
@@ -261,7 +270,8 @@ async def run_aiohttp(url: str, duration: float, connections: int) -> tuple[floa
     return done / wall, errors
 
 
-def throughput(workers: int, backends: list[str], redis_url: str | None, args: argparse.Namespace) -> TputRow:
+def throughput(workers: int, backends: list[str], redis_url: str | None, args: argparse.Namespace,
+               backend_pid: int) -> TputRow:
     router = start_router(workers, "round_robin", backends, redis_url, f"scale-t{workers}")
     try:
         load = args.load
@@ -270,6 +280,7 @@ def throughput(workers: int, backends: list[str], redis_url: str | None, args: a
         else:
             asyncio.run(run_aiohttp(router.url, 2.0, args.connections))
         c0, g0, t0 = router_cpu(router), os.times(), time.perf_counter()
+        b0, (i0, j0) = proc_cpu(backend_pid), machine_idle()
         if load == "wrk":
             rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections)
         else:
@@ -278,11 +289,12 @@ def throughput(workers: int, backends: list[str], redis_url: str | None, args: a
             gen_cpu = (g1.user - g0.user) + (g1.system - g0.system)
         wall = time.perf_counter() - t0
         cpu = router_cpu(router) - c0
+        bcpu, (i1, j1) = proc_cpu(backend_pid) - b0, machine_idle()
     finally:
         router.stop()
     n = rps * args.duration
     return TputRow(f"{workers} worker{'s' if workers > 1 else ''}", rps, 1000 * cpu / n if n else 0.0,
-                   cpu / wall, gen_cpu / wall, errors)
+                   cpu / wall, gen_cpu / wall, bcpu / wall, (i1 - i0) / (j1 - j0) if j1 > j0 else 0.0, errors)
 
 
 # ---------------------------------------------------------------------- part 2: balance
@@ -409,14 +421,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_scale: {os.cpu_count()} CPUs, load average {load1:.2f} at start; {args.replicas} fake "
               f"backends in one process; Redis on 127.0.0.1:{redis.port}")
         if args.only in (None, "throughput"):
-            rows = [throughput(1, urls, redis.url, args), throughput(2, urls, redis.url, args)]
+            bpid = backends_proc.proc.pid
+            rows = [throughput(1, urls, redis.url, args, bpid), throughput(2, urls, redis.url, args, bpid)]
             print(f"\nthroughput: round_robin, {args.connections} keep-alive connections, {args.duration:.0f} s "
                   f"per row, load generator: {args.load} in its own process")
             print(f"{'router':<12}{'req/s':>10}{'CPU-ms/req':>12}{'router cores':>14}{'gen cores':>11}"
-                  f"{'errors':>8}{'req/s ratio':>13}")
+                  f"{'backend cores':>15}{'machine idle':>14}{'errors':>8}{'req/s ratio':>13}")
             for r in rows:
                 print(f"{r.name:<12}{r.rps:>10.0f}{r.router_cpu_ms:>12.3f}{r.router_cores:>14.2f}"
-                      f"{r.gen_cores:>11.2f}{r.errors:>8}{r.rps / rows[0].rps:>13.2f}")
+                      f"{r.gen_cores:>11.2f}{r.backend_cores:>15.2f}{r.idle:>13.0%}{r.errors:>8}"
+                      f"{r.rps / rows[0].rps:>13.2f}")
+            print("the router's req/s is bounded by the CPU it gets: with 'machine idle' near 0 % the cores are "
+                  "taken (by the other processes listed, or by other jobs) and the ratio cannot show scaling")
             print("target: 2 workers >= 1.8 x 1 worker when each worker has a free core and the generator "
                   f"is not saturated (this machine: {os.cpu_count()} CPUs shared by router workers, backends, "
                   "generator and Redis)")
