@@ -81,11 +81,7 @@ def _post(url: str) -> None:
 
 
 async def run_live(reqs: list[TraceRequest], replicas: int, num_blocks: int, time_scale: float,
-                   concurrency: int, speed: float) -> dict[str, Any]:
-    from loadtest.live import LiveOptions, replay_live
-    from router.config import Config
-    from router.server import Server
-
+                   concurrency: int, speed: float, repeat: int = 1) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kvr-bench-exact-"))
     procs: list[subprocess.Popen[bytes]] = []
     reps: list[dict[str, Any]] = []
@@ -105,34 +101,11 @@ async def run_live(reqs: list[TraceRequest], replicas: int, num_blocks: int, tim
             if time.monotonic() > deadline:
                 raise RuntimeError("simulated engines did not start")
             time.sleep(0.1)
-        out: dict[str, Any] = {}
-        for tracking in ("approx", "exact"):
-            for r in reps:
-                _post(r["url"] + "/reset_prefix_cache")
-            cfg = Config.from_dict({
-                "listen": {"host": "127.0.0.1", "port": 0},
-                "policy": {"name": "cache_aware"},
-                "models": {MODEL: {"tokenizer": "builtin", "block_size": 16}},
-                "index": {"backend": "memory", "capacity_blocks": num_blocks},
-                "replicas": [r if tracking == "exact" else {k: v for k, v in r.items() if k != "kv_events"}
-                             for r in reps],
-                "health": {"interval_s": 1.0}, "logging": {"requests": False}})
-            server = await Server(cfg, seed=0).start()
-            try:
-                await asyncio.sleep(0.5)  # subscribers connect
-                t0 = time.perf_counter()
-                res = await replay_live(reqs, LiveOptions(target=server.url, model=MODEL, speed=speed,
-                                                          max_concurrency=concurrency, timeout_s=120))
-                s = res.summary
-                out[tracking] = {"hit_rate": s["hit_rate"], "ok": s["ok"], "requests": s["requests"],
-                                 "ttft_p50_s": s["ttft_p50_s"], "load_imbalance": s["load_imbalance"],
-                                 "wall_s": time.perf_counter() - t0}
-                sub = getattr(server.state.prefix, "events", None)
-                if sub is not None:
-                    out[tracking]["events"] = _event_stats(sub)
-            finally:
-                await server.stop()
-        return out
+        runs: dict[str, list[dict[str, Any]]] = {"approx": [], "exact": []}
+        for rep in range(repeat):  # alternate the order so drift on a shared machine cancels
+            for tracking in (("approx", "exact") if rep % 2 == 0 else ("exact", "approx")):
+                runs[tracking].append(await _live_once(reqs, reps, tracking, num_blocks, concurrency, speed))
+        return {k: _mean(v) for k, v in runs.items()}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -142,6 +115,58 @@ async def run_live(reqs: list[TraceRequest], replicas: int, num_blocks: int, tim
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 os.kill(p.pid, signal.SIGKILL)
+
+
+async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], tracking: str, num_blocks: int,
+                     concurrency: int, speed: float) -> dict[str, Any]:
+    from loadtest.live import LiveOptions, replay_live
+    from router.config import Config
+    from router.server import Server
+
+    for r in reps:
+        _post(r["url"] + "/reset_prefix_cache")
+    cfg = Config.from_dict({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "policy": {"name": "cache_aware"},
+        "models": {MODEL: {"tokenizer": "builtin", "block_size": 16}},
+        "index": {"backend": "memory", "capacity_blocks": num_blocks},
+        "replicas": [r if tracking == "exact" else {k: v for k, v in r.items() if k != "kv_events"}
+                     for r in reps],
+        "health": {"interval_s": 1.0}, "logging": {"requests": False}})
+    server = await Server(cfg, seed=0).start()
+    try:
+        await asyncio.sleep(0.5)  # subscribers connect
+        sub = getattr(server.state.prefix, "events", None)
+        if sub is not None:  # start measuring once the engines' replay buffers are applied
+            await sub.idle(timeout=120)
+        t0 = time.perf_counter()
+        res = await replay_live(reqs, LiveOptions(target=server.url, model=MODEL, speed=speed,
+                                                  max_concurrency=concurrency, timeout_s=120))
+        s = res.summary
+        out = {"hit_rate": s["hit_rate"], "ok": s["ok"], "requests": s["requests"],
+               "ttft_p50_s": s["ttft_p50_s"], "load_imbalance": s["load_imbalance"],
+               "wall_s": time.perf_counter() - t0}
+        if sub is not None:
+            out["events"] = _event_stats(sub)
+        return out
+    finally:
+        try:
+            await asyncio.wait_for(server.stop(), 60)
+        except TimeoutError:  # report what is stuck instead of hanging the benchmark
+            for t in asyncio.all_tasks():
+                t.print_stack(file=sys.stderr)
+            raise
+
+
+def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: sum(r[k] for r in runs) / len(runs) for k in
+                           ("hit_rate", "ttft_p50_s", "load_imbalance", "wall_s")}
+    out["hit_rates"] = [r["hit_rate"] for r in runs]
+    out["ok"] = sum(r["ok"] for r in runs)
+    out["requests"] = sum(r["requests"] for r in runs)
+    if "events" in runs[-1]:
+        out["events"] = runs[-1]["events"]
+    return out
 
 
 def _event_stats(sub: Any) -> dict[str, Any]:
@@ -181,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=4.0, help="live replay speed-up of the trace clock")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="live runs per mode, order alternated (default 3)")
     p.add_argument("--offline-only", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = p.parse_args(argv)
@@ -188,15 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     report["offline"] = run_offline(workload(a.requests, a.seed), a.replicas, a.num_blocks, a.seed)
     if not a.offline_only:
         report["live"] = asyncio.run(run_live(workload(a.live_requests, a.seed + 1), a.replicas, a.num_blocks,
-                                              a.time_scale, a.concurrency, a.speed))
+                                              a.time_scale, a.concurrency, a.speed, a.repeat))
     if a.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"cache_aware on {a.replicas} engines of {a.num_blocks} blocks x 16 tokens")
     print(table(f"offline ({a.requests} requests, virtual time)", report["offline"]))
     if "live" in report:
-        print(table(f"live ({a.live_requests} requests over HTTP, time scale {a.time_scale})", report["live"]))
-        print(f"  exact-mode events: {report['live']['exact'].get('events')}")
+        print(table(f"live ({a.live_requests} requests over HTTP x {a.repeat} runs per mode, time scale "
+                    f"{a.time_scale}; means)", report["live"]))
+        lv = report["live"]
+        print(f"  hit rate per run: approximate {[round(x, 3) for x in lv['approx']['hit_rates']]}, "
+              f"exact {[round(x, 3) for x in lv['exact']['hit_rates']]}")
+        print(f"  exact-mode events (last run): {lv['exact'].get('events')}")
     return 0
 
 
