@@ -165,7 +165,8 @@ class ClusterConnections:
             await self.refresh()
         node = await self._open(_node_url(self.seeds[0], host, port))
         if kind == "ASK":
-            node.call("ASKING")  # reply read and discarded in order
+            asking = node.call("ASKING")  # its reply is read (in order) and ignored
+            asking.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await _timed(node.call(*args), t)
 
     async def call_many(self, key: bytes | str, commands: list[bytes], timeout: float) -> list[Any]:

@@ -171,6 +171,26 @@ async def test_cluster_moved_is_followed_after_a_stale_map(cluster) -> None:
         await idx.close()
 
 
+async def test_shared_load_on_the_cluster(cluster) -> None:
+    from router.core.types import ReplicaState
+    from router.reservations import SharedLoad
+
+    a_states = [ReplicaState(id="r0", in_flight=2), ReplicaState(id="r1")]
+    b_states = [ReplicaState(id="r0"), ReplicaState(id="r1", in_flight=1)]
+    a = SharedLoad(seeds(cluster[2:]), lambda: a_states, namespace="cl", cluster=True, timeout_s=2.0)
+    b = SharedLoad(seeds(cluster[:1]), lambda: b_states, namespace="cl", cluster=True, timeout_s=2.0)
+    try:
+        await a.sync()
+        await b.sync()
+        await a.sync()
+        assert [s.reserved for s in a_states] == [0.0, 1.0]
+        assert [s.reserved for s in b_states] == [2.0, 0.0]
+        assert a.failures == b.failures == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_cluster_index_down_returns_empty(cluster) -> None:
     port = free_port()
     idx = RedisClusterIndex(f"redis://127.0.0.1:{port}", namespace="ns3", timeout_s=0.2, retry_s=0.2)
