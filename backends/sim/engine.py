@@ -323,7 +323,7 @@ class EngineModel:
             return
         a = r.num_stored
         toks = self._token_slice(r, a * bs, upto * bs) if (self.kv.record_events and r.prompt_ids is not None) else ()
-        self.kv.store(r.blocks[a:upto], hs[a:upto], hs[a - 1] if a else None, toks, r.lora)
+        self.kv.store(r.blocks[a:upto], hs[a:upto], hs[a - 1] if a else None, toks, r.lora, r.cache_salt)
         r.num_stored = upto
 
     def _emit(self, r: Request, n: int, end: float, res: StepResult) -> None:

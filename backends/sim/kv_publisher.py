@@ -45,6 +45,7 @@ from backends.kv_events import (
     KVEvent,
     encode_payload,
     encode_seq,
+    vllm_extra_keys,
 )
 
 log = logging.getLogger("kvrouter.sim.kv_events")
@@ -102,8 +103,12 @@ def convert(events: Iterable[Any], medium: str = "GPU") -> list[KVEvent]:
     for ev in events:
         kind = type(ev).__name__
         if kind == "BlockStored":
+            lora = getattr(ev, "lora_name", None)
+            salt = getattr(ev, "cache_salt", None) if ev.parent_block_hash is None else None
+            extra = (tuple(vllm_extra_keys(i, lora, salt) for i in range(len(ev.block_hashes)))
+                     if lora or salt else None)  # as newer vLLM: LoRA name per block, salt on the first
             out.append(BlockStored(tuple(ev.block_hashes), ev.parent_block_hash, tuple(ev.token_ids),
-                                   ev.block_size, None, medium, getattr(ev, "lora_name", None)))
+                                   ev.block_size, None, medium, lora, extra))
         elif kind == "BlockRemoved":
             out.append(BlockRemoved(tuple(ev.block_hashes), medium))
         elif kind == "AllBlocksCleared":

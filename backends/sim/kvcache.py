@@ -38,6 +38,7 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     lora_name: str | None = None
+    cache_salt: str | None = None  # the request's salt when the chain starts here (parent None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,8 @@ class KVCache:
                 free[b] = None
 
     def store(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None,
-              token_ids: Sequence[int] = (), lora_name: str | None = None) -> int:
+              token_ids: Sequence[int] = (), lora_name: str | None = None,
+              cache_salt: str | None = None) -> int:
         """Register computed full ``blocks`` under ``hashes`` (same length). A hash already
         cached under another block is skipped (that block stays uncached). Returns the
         number newly cached; records one :class:`BlockStored` for them when enabled."""
@@ -182,14 +184,15 @@ class KVCache:
         if self.record_events and new:
             if contiguous:
                 self.events.append(BlockStored(tuple(hashes), parent, tuple(token_ids),
-                                               self.block_size, lora_name))
+                                               self.block_size, lora_name, cache_salt if parent is None else None))
             else:  # rare: report only the blocks newly cached, each after its chain parent
                 bs = self.block_size
                 prev = parent
                 for i, (b, h) in enumerate(zip(blocks, hashes, strict=True)):
                     if cached.get(h) == b:
                         toks = tuple(token_ids[i * bs:(i + 1) * bs]) if token_ids else ()
-                        self.events.append(BlockStored((h,), prev, toks, bs, lora_name))
+                        self.events.append(BlockStored((h,), prev, toks, bs, lora_name,
+                                                       cache_salt if prev is None else None))
                     prev = h
         return new
 

@@ -129,6 +129,17 @@ async def test_index_equals_engine_blocks_through_evictions(fleet):
                                       json={"model": MODEL, "prompt": prompt(0)})).json()["tokens"]
         hashes = block_hashes(toks, BS, seed_hash(MODEL))
         assert (await fleet.index.lookup(MODEL, hashes)).get(f"r{i}") == len(hashes)
+    # cache_salt reaches the events (extra_keys of the first block, map encoding): the
+    # salted chain is indexed under the router's salted hashes
+    r = await fleet.http.post(fleet.sims[0].url + "/v1/completions",
+                              json={"model": MODEL, "prompt": prompt(0), "max_tokens": 2, "cache_salt": "s1"})
+    assert r.status_code == 200
+    salted = block_hashes(toks, BS, seed_hash(MODEL, None, "s1"))
+    deadline = time.monotonic() + 10
+    while (await fleet.index.lookup(MODEL, salted)).get("r0") != len(salted):
+        assert time.monotonic() < deadline, "salted chain not indexed"
+        await asyncio.sleep(0.05)
+    await fleet.converge(0)
     # 64 blocks per engine: 12 prompts of ~19 blocks evict most of the first ones
     for n in range(1, 13):
         for i in range(2):
