@@ -407,7 +407,7 @@ class EventSubscriber:
         try:
             for op in ops:
                 if op.kind == "record":
-                    await self.index.record(r.source.model, op.hashes, rid)
+                    await self.index.record(op.model or r.source.model, op.hashes, rid)
                 elif op.kind == "remove":
                     hashes = op.hashes
                     if self.removal_filter is not None:

@@ -4,8 +4,9 @@ One :class:`ReplicaTracker` per engine. Engines name blocks with their own hashe
 sha256, SGLang's, or anything else); the router's index uses its own chain
 (:mod:`router.core.hashing`). So on ``BlockStored`` the tracker re-hashes ``token_ids``
 with the router's chain, starting from the router hash of ``parent_block_hash`` (found in a
-per-replica engine-hash → router-hash map) or from the model/LoRA/``cache_salt`` seed for
-a first block, records those router hashes, and remembers the mapping so a later
+per-replica engine-hash → router-hash map) or, for a first block, from the seed the router
+gives a request (``seed_hash(model, None, cache_salt)``, where a LoRA adapter's name is the
+model name requests use), records those router hashes, and remembers the mapping so a later
 ``BlockRemoved`` finds what to remove. ``AllBlocksCleared`` (or :meth:`reset`) clears the
 replica and the map.
 
@@ -38,6 +39,7 @@ class IndexOp:
 
     kind: OpKind
     hashes: list[int] = field(default_factory=list)
+    model: str | None = None  # for records: the model name the blocks are indexed under
 
 
 @dataclass(slots=True)
@@ -141,19 +143,19 @@ class ReplicaTracker:
         """The index writes for one batch, in order (consecutive writes of a kind merged)."""
         ops: list[IndexOp] = []
 
-        def emit(kind: OpKind, hashes: list[int]) -> None:
+        def emit(kind: OpKind, hashes: list[int], model: str | None = None) -> None:
             if kind == "clear":
                 ops.clear()  # nothing before a clear matters
                 ops.append(IndexOp("clear"))
             elif hashes:
-                if ops and ops[-1].kind == kind:
+                if ops and ops[-1].kind == kind and ops[-1].model == model:
                     ops[-1].hashes.extend(hashes)
                 else:
-                    ops.append(IndexOp(kind, list(hashes)))
+                    ops.append(IndexOp(kind, list(hashes), model))
 
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                emit("record", self._stored(ev))
+                emit("record", self._stored(ev), ev.lora_name or self.model)
             elif isinstance(ev, BlockRemoved):
                 emit("remove", self._removed(ev))
             elif isinstance(ev, AllBlocksCleared):
@@ -177,7 +179,9 @@ class ReplicaTracker:
         if ev.parent_block_hash is None:
             first_extra = ev.extra_keys[0] if ev.extra_keys else None
             parent = None
-            seed = seed_hash(self.model, ev.lora_name, _salt_from_extra(first_extra, ev.lora_name))
+            # as the router seeds a request: its model name (a LoRA adapter is requested by
+            # its own name) and cache_salt
+            seed = seed_hash(ev.lora_name or self.model, None, _salt_from_extra(first_extra, ev.lora_name))
         else:
             chain = self._map.get(ev.parent_block_hash)
             if chain is None:

@@ -27,7 +27,7 @@ def test_stored_chain_is_rehashed_with_the_router_chain():
     ops = t.apply(EventBatch(0.0, (stored(eng[:2], None, TOKENS[:32]),)))
     ops += t.apply(EventBatch(0.0, (stored(eng[2:], eng[1], TOKENS[32:]),)))
     want = block_hashes(TOKENS, 16, seed_hash("m"))
-    assert ops == [IndexOp("record", want[:2]), IndexOp("record", want[2:])]
+    assert ops == [IndexOp("record", want[:2], "m"), IndexOp("record", want[2:], "m")]
     assert t.router_hashes(eng[3]) == (want[3],)
     # removal finds the router hashes; an unknown engine hash is counted, not fatal
     ops = t.apply(EventBatch(0.0, (BlockRemoved((eng[3], eng[2], 123), "GPU"),)))
@@ -39,7 +39,7 @@ def test_sglang_hashes_work_the_same():
     t = ReplicaTracker("r0", "m", 16)
     eng = sglang_block_hashes(TOKENS, 16)
     ops = t.apply(EventBatch(0.0, (stored(eng, None, TOKENS),)))
-    assert ops == [IndexOp("record", block_hashes(TOKENS, 16, seed_hash("m")))]
+    assert ops == [IndexOp("record", block_hashes(TOKENS, 16, seed_hash("m")), "m")]
 
 
 def test_unknown_parent_is_skipped_and_counted():
@@ -52,7 +52,7 @@ def test_clear_resets_and_drops_earlier_ops_in_the_batch():
     t = ReplicaTracker("r0", "m", 16)
     ev = stored([1, 2], None, TOKENS[:32])
     ops = t.apply(EventBatch(0.0, (ev, AllBlocksCleared(), stored([3], None, TOKENS[:16]))))
-    assert ops == [IndexOp("clear"), IndexOp("record", block_hashes(TOKENS[:16], 16, seed_hash("m")))]
+    assert ops == [IndexOp("clear"), IndexOp("record", block_hashes(TOKENS[:16], 16, seed_hash("m")), "m")]
     assert t.router_hashes(1) is None and t.router_hashes(3) is not None
 
 
@@ -60,7 +60,11 @@ def test_salt_and_lora_seed_the_chain():
     t = ReplicaTracker("r0", "m", 16)
     ev = BlockStored((1,), None, tuple(TOKENS[:16]), 16, 3, "GPU", "lora-a", (("lora-a", "salt-1"),))
     (op,) = t.apply(EventBatch(0.0, (ev,)))
-    assert op.hashes == block_hashes(TOKENS[:16], 16, seed_hash("m", "lora-a", "salt-1"))
+    # the router seeds a LoRA request with the adapter's name as its model
+    assert op.hashes == block_hashes(TOKENS[:16], 16, seed_hash("lora-a", None, "salt-1"))
+    assert op.model == "lora-a"
+    (op,) = t.apply(EventBatch(0.0, (stored([2], None, TOKENS[:16]),)))
+    assert op.model == "m"
 
 
 def test_engine_block_multiple_of_router_block():
