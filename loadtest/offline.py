@@ -163,6 +163,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: OfflineCon
     if ibs % ebs:
         raise ValueError(f"index block size {ibs} is not a multiple of the engine block size {ebs}")
     step = ibs // ebs
+    if cfg.tracking == "exact" and step != 1:
+        raise ValueError("exact tracking (engine KV events) needs the index block size to equal the engine's")
     cap = cfg.index_capacity_blocks or max(1, roof.kv_capacity_blocks // step)
     index = PrefixIndex(default_capacity=cap, ttl_s=cfg.index_ttl_s) if needs_prefix else None
     rng = random.Random(cfg.seed)
@@ -338,7 +340,8 @@ def run_offline_cli(args: Any, requests: list[TraceRequest]) -> int:
     cfg = OfflineConfig(replicas=args.replicas, gpu=args.gpu, model=args.model or "llama-3.1-8b",
                         engine_block_size=args.engine_block_size, policy_options=dict(args.policy_option),
                         speed=args.speed, seed=args.seed, scrape_interval_s=max(0.0, args.scrape_interval),
-                        index_capacity_blocks=args.index_capacity, index_block_size=args.index_block_size)
+                        index_capacity_blocks=args.index_capacity, index_block_size=args.index_block_size,
+                        tracking=getattr(args, "tracking", "approx"))
     try:
         roofline_for(cfg)
     except Exception as exc:  # planner errors name the bad preset

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="virtual seconds between the router's engine-load scrapes (0 = always exact)")
     off.add_argument("--index-capacity", type=_positive(int), default=None,
                      help="prefix-index blocks per replica (default: the replica's KV capacity)")
+    off.add_argument("--tracking", choices=("approx", "exact"), default="approx",
+                     help="approx: the index holds the router's own records; exact: the engines' KV "
+                          "events also add and remove blocks (docs/kv-events.md)")
     off.add_argument("--plot", default=None, metavar="FILE.png", help="hit rate and TTFT CDF per policy")
     return p
 

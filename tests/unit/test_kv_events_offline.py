@@ -51,3 +51,12 @@ def test_offline_replay_both_tracking_modes():
         out[tracking] = simulate(reqs, "cache_aware", replace(cfg, tracking=tracking), roof)
     for res in out.values():
         assert res.prompt_tokens > 0 and 0 < res.hit_rate < 1 and res.skipped == 0
+
+
+def test_exact_tracking_needs_engine_sized_index_blocks():
+    import pytest
+
+    reqs = tenants(n_requests=5, n_tenants=2, seed=1)
+    cfg = OfflineConfig(replicas=2, gpu="a100-80gb", tracking="exact", index_block_size=64)
+    with pytest.raises(ValueError, match="index block size"):
+        simulate(reqs, "cache_aware", cfg)
