@@ -188,7 +188,8 @@ async def test_router_start_replays_the_engine_buffer():
         await pub.close()
 
 
-async def test_malformed_payload_counted_never_fatal():
+async def test_malformed_payload_counted_never_fatal(caplog):
+    caplog.set_level("WARNING", logger="kvrouter.events")
     pub_ep, rep_ep = ipc_pair()
     index = MemoryIndex(ttl_s=None)
     sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep)], index)
@@ -213,6 +214,8 @@ async def test_malformed_payload_counted_never_fatal():
         await raw.send_multipart([b"", struct.pack(">Q", seq + 1), good])
         await eventually(lambda: _eq(held(index, "r0", router_chain(toks(16))), 1))
         assert sub.stats("r0").decode_errors == 3
+        logged = [r for r in caplog.records if "undecodable" in r.getMessage()]
+        assert len(logged) == 1  # logged once, not once per bad message (rate-limited)
     finally:
         await sub.close()
         raw.close(0)
