@@ -140,8 +140,12 @@ async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], track
         if sub is not None:  # start measuring once the engines' replay buffers are applied
             await sub.idle(timeout=120)
         t0 = time.perf_counter()
-        res = await replay_live(reqs, LiveOptions(target=server.url, model=MODEL, speed=speed,
-                                                  max_concurrency=concurrency, timeout_s=120))
+        try:
+            res = await asyncio.wait_for(replay_live(reqs, LiveOptions(
+                target=server.url, model=MODEL, speed=speed, max_concurrency=concurrency, timeout_s=120)), 900)
+        except TimeoutError:  # report what is stuck instead of hanging the benchmark
+            _dump_tasks()
+            raise
         s = res.summary
         out = {"hit_rate": s["hit_rate"], "ok": s["ok"], "requests": s["requests"],
                "ttft_p50_s": s["ttft_p50_s"], "load_imbalance": s["load_imbalance"],
@@ -153,9 +157,14 @@ async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], track
         try:
             await asyncio.wait_for(server.stop(), 60)
         except TimeoutError:  # report what is stuck instead of hanging the benchmark
-            for t in asyncio.all_tasks():
-                t.print_stack(file=sys.stderr)
+            _dump_tasks()
             raise
+
+
+def _dump_tasks() -> None:
+    for t in asyncio.all_tasks():
+        print(f"--- {t.get_name()} {t.get_coro()!r}", file=sys.stderr)
+        t.print_stack(file=sys.stderr)
 
 
 def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
