@@ -9,23 +9,24 @@ replica) names a ZMQ ``endpoint``, an optional ``replay_endpoint`` and a ``topic
   SUB socket and every engine connects its PUB to it (vLLM connects when its endpoint has
   no wildcard); sources sharing an endpoint share the socket and are told apart by topic.
 
-Per replica, messages go through a bounded queue to one worker task that keeps the order:
+Per replica, messages go through a bounded queue to one worker task that keeps the order.
+Replay uses the engine's ROUTER socket: ``[b"", start_seq]`` out, ``[b"", seq, payload]``
+frames back, then seq -1.
 
-* sequence numbers: the first message (router start) clears the replica and replays from
-  seq 0 to rebuild what the engine still has in its replay buffer; a gap replays the
-  missing range from the engine's ROUTER socket (``[b"", start_seq]`` out, ``[b"", seq,
-  payload]`` frames back, then seq -1); if replay is unavailable or incomplete the
-  replica is cleared and tracking resumes from the current message; a sequence number
-  going backwards (outside a replay's overlap) is an engine restart: clear and resume;
-* events are turned into index writes by the pure :class:`~router.core.kv_tracker.ReplicaTracker`
-  (re-hashing stored blocks with the router's own chain) and applied to the index with
-  ``record`` / ``remove`` / ``clear`` — all idempotent, so several consumers may run;
-* a payload that cannot be decoded is logged (rate-limited) and counted, never fatal.
+* Identity check: at start and after every reconnection (ZMQ socket monitor), and on a
+  sequence gap or a sequence going backwards, the engine is asked to replay from the last
+  batch applied. The same bytes back: same engine, the missed batches are applied.
+  Anything else (engine restarted, buffer moved on, no replay socket): the replica is
+  cleared and rebuilt from whatever contiguous history the engine's buffer holds.
+* Events become index writes through the pure :class:`~router.core.kv_tracker.ReplicaTracker`
+  (stored blocks re-hashed with the router's own chain), applied with ``record`` /
+  ``remove`` / ``clear`` — all idempotent, so several consumers may run.
+* A payload that cannot be decoded is logged (rate-limited) and counted, never fatal.
 
 ``reset_replica`` (health flap) and ``remove_replica`` (replica left the pool) clear the
-replica at once; the index's ``clear`` is O(1) (per-replica generation).
+replica at once; the index's ``clear`` is O(1) (per-replica generation). Metrics live in
+:mod:`router.events_metrics`.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import parse_monitor_message
 
 from backends.kv_events import (
@@ -53,12 +52,11 @@ from backends.kv_events import (
     encode_seq,
 )
 from router.core.kv_tracker import ReplicaTracker, SeqTracker
+from router.events_metrics import EventMetrics, TrackerCollector
 
 log = logging.getLogger("kvrouter.events")
 
 _PROBE = -2  # queue item: check the engine's replay buffer (after a (re)connection)
-
-LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class EventIndex(Protocol):
@@ -117,51 +115,6 @@ class _Replica:
     removed: bool = False
 
 
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        def c(name: str, doc: str, labels: Sequence[str] = ("replica",)) -> Counter:
-            return Counter(name, doc, list(labels), registry=registry)
-
-        self.events = c("kvrouter_kv_events_received", "Engine KV events received", ("replica", "type"))
-        self.batches = c("kvrouter_kv_event_batches_received", "Engine KV event batches (ZMQ messages) received")
-        self.gaps = c("kvrouter_kv_event_gaps", "Sequence gaps detected in an engine's event stream")
-        self.replays = c("kvrouter_kv_event_replays", "Replays requested from an engine, by result",
-                         ("replica", "result"))
-        self.decode_errors = c("kvrouter_kv_event_decode_errors", "Event messages that could not be decoded")
-        self.clears = c("kvrouter_kv_event_clears", "Replica entries cleared, by reason", ("replica", "reason"))
-        self.index_errors = c("kvrouter_kv_event_index_errors", "Index writes from events that failed")
-        self.lag = Histogram("kvrouter_kv_event_lag_seconds",
-                             "Engine storing a block (batch timestamp) to the index knowing it",
-                             buckets=LAG_BUCKETS, registry=registry)
-        self.stale_removals = c("kvrouter_kv_event_stale_removals_skipped",
-                                "Evicted blocks not removed: the router recorded them after the eviction")
-        self.approx_expired = c("kvrouter_kv_event_approx_expired_blocks",
-                                "Blocks the router recorded itself that no engine event confirmed in time")
-
-
-class _TrackerCollector(Collector):
-    """Per-replica tracker state, read at scrape time."""
-
-    def __init__(self, replicas: dict[str, _Replica]) -> None:
-        self._replicas = replicas
-
-    def collect(self) -> Iterable[Metric]:
-        held = GaugeMetricFamily("kvrouter_kv_event_engine_blocks",
-                                 "Engine blocks the tracker maps to router blocks", labels=["replica"])
-        skipped = CounterMetricFamily("kvrouter_kv_event_blocks_skipped",
-                                      "Stored blocks not indexed (unknown parent, other medium or group, "
-                                      "unsupported block size)", labels=["replica", "reason"])
-        seq = GaugeMetricFamily("kvrouter_kv_event_last_seq", "Last sequence number applied", labels=["replica"])
-        for rid, r in self._replicas.items():
-            st = r.tracker.stats
-            held.add_metric([rid], len(r.tracker))
-            skipped.add_metric([rid, "unknown_parent"], st.unknown_parent)
-            skipped.add_metric([rid, "other"], st.skipped)
-            seq.add_metric([rid], -1 if r.seq.last is None else r.seq.last)
-        yield from (held, skipped, seq)
-
-
 class EventSubscriber:
     """Follows the KV events of many engines and writes them to ``index``."""
 
@@ -172,7 +125,7 @@ class EventSubscriber:
         self.index = index
         self.replay_timeout_s = replay_timeout_s
         self.clock = clock
-        self.metrics = _Metrics(registry or CollectorRegistry())
+        self.metrics = EventMetrics(registry or CollectorRegistry())
         self._replicas: dict[str, _Replica] = {}
         for s in sources:
             if s.replica in self._replicas:
@@ -181,7 +134,7 @@ class EventSubscriber:
                 s, ReplicaTracker(s.replica, s.model, s.block_size, mediums=mediums),
                 asyncio.Queue(queue_size))
         self._groups = self._group_sockets()
-        self.metrics.registry.register(_TrackerCollector(self._replicas))
+        self.metrics.registry.register(TrackerCollector(self._replicas))
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: list[zmq.asyncio.Socket] = []
