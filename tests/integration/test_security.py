@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import inspect
 import io
 import logging
 import subprocess
@@ -49,7 +48,7 @@ async def test_keys_are_compared_in_constant_time(monkeypatch):
 
     monkeypatch.setattr(server_mod.hmac, "compare_digest", spy)
     async with fleet({}) as engines, start_router(
-            engines, auth={"api_keys": ["other-key", CLIENT_KEY], "admin_key": ADMIN_KEY}) as router:
+            engines, auth={"api_keys": [CLIENT_KEY, "other-key"], "admin_key": ADMIN_KEY}) as router:
         assert (await post(router.url + "/v1/completions", BODY,
                            headers={"Authorization": f"Bearer {CLIENT_KEY}"}))[0] == 200
         assert (await post(router.url + "/v1/completions", BODY,
@@ -58,11 +57,11 @@ async def test_keys_are_compared_in_constant_time(monkeypatch):
     assert (CLIENT_KEY.encode(), CLIENT_KEY.encode()) in calls
     assert (CLIENT_KEY[:-1].encode(), CLIENT_KEY.encode()) in calls
     assert (ADMIN_KEY.encode(), ADMIN_KEY.encode()) in calls
-    # and no early exit that would leak which key matched: every key is compared
+    # and no early exit that would leak which key matched: every key is compared, also when
+    # the first configured key matches (and no plain ``==`` or length check short-cuts it:
+    # the wrong-length key above still reached compare_digest)
     assert sum(1 for a, _ in calls if a == CLIENT_KEY[:-1].encode()) == 2
-    for fn in (server_mod.RouterState.client_ok, server_mod.RouterState.admin_ok):
-        src = inspect.getsource(fn)
-        assert "compare_digest" in src and "==" not in src
+    assert sum(1 for a, _ in calls if a == CLIENT_KEY.encode()) == 2
 
 
 async def test_keys_never_in_logs_metrics_or_admin_output():
