@@ -136,7 +136,9 @@ def router_config(engines: list[FakeEngine], **sections: Any) -> Config:
         "listen": {"host": "127.0.0.1", "port": 0},
         "policy": {"name": "round_robin"},  # these tests count on round-robin order (default: cache_aware)
         "replicas": [{"id": e.name, "url": e.url, "models": [e.model]} for e in engines],
-        "health": {"interval_s": 0.2, "timeout_s": 1.0, "failure_threshold": 1, "success_threshold": 1},
+        # a generous health timeout: these fakes share the test's event loop, and a check that
+        # times out on a loaded machine would eject a healthy replica (failure_threshold 1)
+        "health": {"interval_s": 0.2, "timeout_s": 10.0, "failure_threshold": 1, "success_threshold": 1},
         "scrape": {"interval_s": 0.2},
         "upstream": {"retry_backoff_s": 0.01, "first_byte_timeout_s": 10, "idle_timeout_s": 10},
         "logging": {"requests": False},

@@ -25,7 +25,8 @@ def cfg(sims: list[Any], name: str = "round_robin", **sections: Any) -> Config:
         "listen": {"host": "127.0.0.1", "port": 0},
         "policy": {"name": name},
         "replicas": [{"id": f"s{i}", "url": s.url, "models": [MODEL]} for i, s in enumerate(sims)],
-        "health": {"interval_s": 0.3, "timeout_s": 1.0, "failure_threshold": 1, "success_threshold": 1},
+        # generous health timeout: a check timing out on a loaded machine ejects a healthy sim
+        "health": {"interval_s": 0.3, "timeout_s": 10.0, "failure_threshold": 1, "success_threshold": 1},
         "scrape": {"interval_s": 0.3},
         "upstream": {"retry_backoff_s": 0.01, "max_retries": 3},
         "logging": {"requests": False},
@@ -139,7 +140,7 @@ async def test_session_sticks_by_header_and_by_user(sims3):
 
 async def test_killed_replica_is_ejected_and_no_request_is_lost(sim_factory):
     sims = sim_factory(3, time_scale=0.05, model=MODEL)
-    async with router(sims, health={"interval_s": 5.0, "timeout_s": 1.0, "failure_threshold": 2,
+    async with router(sims, health={"interval_s": 5.0, "timeout_s": 10.0, "failure_threshold": 2,
                                     "success_threshold": 1}) as r, aiohttp.ClientSession() as s:
         stream = await _open_stream(s, r.url)  # lands on s0 (round robin), then s0 dies
         assert stream.headers["x-kvrouter-replica"] == "s0"
