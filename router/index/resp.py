@@ -85,8 +85,11 @@ class RespConnection(asyncio.Protocol):
             raise ValueError(f"unsupported Redis URL scheme {u.scheme!r}")
         ctx = ssl.create_default_context() if u.scheme == "rediss" else None
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(cls, u.hostname or "127.0.0.1", u.port or 6379, ssl=ctx), timeout)
+        # asyncio.timeout, not asyncio.wait_for: on Python 3.11 wait_for swallows a cancellation
+        # that races with the connection completing, and a cancelled writer/sync task would
+        # then run on and its owner's ``await task`` on close would never return
+        async with asyncio.timeout(timeout):
+            _, conn = await loop.create_connection(cls, u.hostname or "127.0.0.1", u.port or 6379, ssl=ctx)
         try:
             if u.password is not None:
                 auth = (unquote(u.username), unquote(u.password)) if u.username else (unquote(u.password),)
@@ -100,7 +103,8 @@ class RespConnection(asyncio.Protocol):
         return conn
 
     async def checked(self, timeout: float, *args: bytes | str | int) -> Any:
-        v = await asyncio.wait_for(self.call(*args), timeout)
+        async with asyncio.timeout(timeout):
+            v = await self.call(*args)
         if isinstance(v, RespError):
             raise v
         return v
