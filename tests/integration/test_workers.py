@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from router.reservations import SharedLoad, apply_reserved, own_counts, parse_to
 from router.workers import RestartPolicy, strip_workers_flag, worker_overrides
 from tests.support.services import ROOT, Proc, free_port, kvrouter_argv
 
+TTL_S = 2.0  # shared-load ttl of every process here: generous, a loaded machine may starve one
+
 CHILD = """
 import asyncio, sys
 from router.core.types import ReplicaState
@@ -30,23 +33,30 @@ from router.reservations import SharedLoad
 async def main():
     url, pid_tag, counts = sys.argv[1], sys.argv[2], sys.argv[3]
     states = [ReplicaState(id=k, in_flight=int(v)) for k, v in (c.split('=') for c in counts.split(','))]
-    sl = SharedLoad(url, lambda: states, namespace='wt', interval_s=0.05, ttl_s=0.6, proc_id=pid_tag)
-    await sl.start()
-    print('ready', flush=True)
+    sl = SharedLoad(url, lambda: states, namespace='wt', interval_s=0.05, ttl_s=TTL, proc_id=pid_tag,
+                    timeout_s=5.0)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(15, stop.set)
+    await sl.start()
+    print('ready', flush=True)  # only once SIGTERM means a clean exit
     await stop.wait()
     await sl.close()
 
 asyncio.run(main())
-"""
+""".replace("TTL", str(TTL_S))
 
 
-def spawn_child(url: str, tag: str, counts: str) -> subprocess.Popen[str]:
+def spawn_child(url: str, tag: str, counts: str, timeout: float = 60.0) -> subprocess.Popen[str]:
     p = subprocess.Popen([sys.executable, "-c", CHILD, url, tag, counts], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert p.stdout is not None
-    assert p.stdout.readline().strip() == "ready"
+    # never block without a deadline on a child that may not start
+    ready = select.select([p.stdout], [], [], timeout)[0]
+    line = p.stdout.readline() if ready else "(nothing in time)"
+    if line.strip() != "ready":
+        p.kill()
+        p.wait(5)
+        raise AssertionError(f"child {tag} did not start: {line}")
     return p
 
 
@@ -89,7 +99,8 @@ async def test_processes_share_reservations_and_a_crash_expires(redis_url) -> No
     a = spawn_child(redis_url, "proc-a", "r0=3,r1=1")
     b = spawn_child(redis_url, "proc-b", "r1=2")
     mine = [ReplicaState(id="r0", in_flight=1), ReplicaState(id="r1"), ReplicaState(id="r2")]
-    me = SharedLoad(redis_url, lambda: mine, namespace="wt", interval_s=0.05, ttl_s=0.6, proc_id="me")
+    me = SharedLoad(redis_url, lambda: mine, namespace="wt", interval_s=0.05, ttl_s=TTL_S, proc_id="me",
+                    timeout_s=5.0)
     try:
         await me.start()
         await wait_for(lambda: _reserved(me, mine, {"r0": 3.0, "r1": 3.0, "r2": 0.0}))
@@ -99,10 +110,10 @@ async def test_processes_share_reservations_and_a_crash_expires(redis_url) -> No
         t0 = time.monotonic()
         await wait_for(lambda: _reserved(me, mine, {"r0": 0.0, "r1": 2.0, "r2": 0.0}))
         waited = time.monotonic() - t0
-        assert waited > 0.2, "expired too early: ttl must hold a live process's counts"
-        b.send_signal(signal.SIGTERM)  # a clean exit removes its counts at once
-        assert b.wait(10) == 0
-        await wait_for(lambda: _reserved(me, mine, {"r0": 0.0, "r1": 0.0, "r2": 0.0}), timeout=0.5)
+        assert waited > TTL_S / 4, "expired too early: ttl must hold a live process's counts"
+        b.send_signal(signal.SIGTERM)  # a clean exit removes its counts at once (not after the ttl)
+        assert b.wait(20) == 0
+        await wait_for(lambda: _reserved(me, mine, {"r0": 0.0, "r1": 0.0, "r2": 0.0}), timeout=TTL_S / 2)
     finally:
         await me.close()
         for p in (a, b):
