@@ -1,5 +1,6 @@
 """Per-engine knowledge the router needs: vLLM / SGLang load metric names, and a small,
-fast Prometheus text-format reader for just those metrics.
+fast Prometheus text-format reader for just those metrics (also used, on every metric, by
+the load tools: :func:`parse_prometheus`, :func:`engine_hit_delta`).
 
 The router scrapes each replica's ``/metrics`` about once a second. Parsing the whole
 exposition (hundreds of histogram buckets) with a general parser is wasteful; this reader
@@ -10,6 +11,7 @@ else, so unknown or malformed lines never fail a scrape. Pure: text in, numbers 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # engine -> role -> metric name (gauges; values summed over label sets, e.g. dp ranks)
@@ -78,11 +80,12 @@ def _labels(s: str) -> dict[str, str]:
     return out
 
 
-def parse_samples(text: str, names: tuple[str, ...] = _WANTED) -> list[tuple[str, dict[str, str], float]]:
-    """Samples ``(name, labels, value)`` of the metrics in ``names``; other lines skipped."""
+def parse_samples(text: str, names: tuple[str, ...] | None = _WANTED) -> list[tuple[str, dict[str, str], float]]:
+    """Samples ``(name, labels, value)`` of the metrics in ``names`` (every metric when
+    ``names`` is None); other lines, comments and malformed or NaN samples skipped."""
     out: list[tuple[str, dict[str, str], float]] = []
     for line in text.splitlines():
-        if not line or line[0] == "#" or not line.startswith(names):
+        if not line or line[0] == "#" or (names is not None and not line.startswith(names)):
             continue
         brace = line.find("{")
         space = line.find(" ")
@@ -95,7 +98,7 @@ def parse_samples(text: str, names: tuple[str, ...] = _WANTED) -> list[tuple[str
             if space == -1:
                 continue
             name, labels, rest = line[:space], {}, line[space:]
-        if name not in names:
+        if not name or (names is not None and name not in names):
             continue
         parts = rest.split()
         if not parts:
@@ -144,3 +147,29 @@ def parse_load(text: str) -> EngineLoad:
     if vals:
         load.kv_usage = min(1.0, max(0.0, sum(vals) / len(vals)))
     return load
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name → value summed over its label sets, for every metric in a ``/metrics``
+    text (comments and bad lines skipped)."""
+    out: dict[str, float] = {}
+    for name, _, value in parse_samples(text, None):
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _counter(m: Mapping[str, float], name: str) -> float | None:
+    for key in (name + "_total", name):
+        if key in m:
+            return m[key]
+    return None
+
+
+def engine_hit_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
+    """Prefix-cache queries and hits (tokens) between two scrapes (:func:`parse_prometheus`)
+    of one vLLM-style engine, or None when the engine exposes no such counters."""
+    qb, qa = _counter(before, "vllm:prefix_cache_queries"), _counter(after, "vllm:prefix_cache_queries")
+    hb, ha = _counter(before, "vllm:prefix_cache_hits"), _counter(after, "vllm:prefix_cache_hits")
+    if qa is None or ha is None:
+        return None
+    return {"queries": qa - (qb or 0.0), "hits": ha - (hb or 0.0)}

@@ -33,7 +33,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from loadtest.summary import engine_hit_delta, parse_prometheus, summarize_records
+from backends.engines import engine_hit_delta, parse_prometheus
+from loadtest.summary import summarize_records
 from loadtest.traces.prompts import PromptBuilder
 from loadtest.traces.types import TraceRequest
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+# engine /metrics reading lives with the engine knowledge; re-exported for existing imports
+from backends.engines import engine_hit_delta, parse_prometheus  # noqa: F401
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0–100) by linear interpolation; 0.0 for no values."""
@@ -37,50 +40,6 @@ def load_imbalance(per_replica: Mapping[str, int], replicas: Sequence[str] | Non
     counts = [per_replica.get(r, 0) for r in ids]
     mean = sum(counts) / len(counts)
     return max(counts) / mean if mean else 0.0
-
-
-# -- engine /metrics (Prometheus text) ------------------------------------------------------
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name → value summed over its label sets (comments and bad lines skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace]
-            rest = line[line.rfind("}") + 1:].split()
-        else:
-            parts = line.split()
-            name, rest = (parts[0], parts[1:]) if parts else ("", [])
-        if not name or not rest:
-            continue
-        try:
-            val = float(rest[0])
-        except ValueError:
-            continue
-        if math.isnan(val):
-            continue
-        out[name] = out.get(name, 0.0) + val
-    return out
-
-
-def _counter(m: Mapping[str, float], name: str) -> float | None:
-    for key in (name + "_total", name):
-        if key in m:
-            return m[key]
-    return None
-
-
-def engine_hit_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
-    """Prefix-cache queries and hits (tokens) between two scrapes of one vLLM-style engine,
-    or None when the engine exposes no such counters."""
-    qb, qa = _counter(before, "vllm:prefix_cache_queries"), _counter(after, "vllm:prefix_cache_queries")
-    hb, ha = _counter(before, "vllm:prefix_cache_hits"), _counter(after, "vllm:prefix_cache_hits")
-    if qa is None or ha is None:
-        return None
-    return {"queries": qa - (qb or 0.0), "hits": ha - (hb or 0.0)}
 
 
 # -- replay records -------------------------------------------------------------------------
