@@ -119,6 +119,7 @@ class Supervisor:
         self.hup = False
         self.holder: socket.socket | None = None
         self.port = cfg.listen.port
+        self.termed: set[int] = set()  # pids that got SIGTERM
 
     def argv(self) -> list[str]:
         extra: list[str] = []
@@ -139,6 +140,8 @@ class Supervisor:
             if w.proc is not None and w.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.send_signal(sig)
+                if sig == signal.SIGTERM:
+                    self.termed.add(w.proc.pid)
 
     def _on_stop(self, signum: int, frame: object) -> None:
         self.stopping += 1
@@ -182,6 +185,13 @@ class Supervisor:
                     forwarded = self.stopping
                 if stop_deadline is None:
                     stop_deadline = now + grace
+                # a worker spawned while the signal handler ran (before ``w.proc`` was set)
+                # missed the SIGTERM: send it now rather than wait out the grace period
+                for w in self.workers:
+                    if w.proc is not None and w.proc.poll() is None and w.proc.pid not in self.termed:
+                        self.termed.add(w.proc.pid)
+                        with contextlib.suppress(ProcessLookupError):
+                            w.proc.send_signal(signal.SIGTERM)
                 if all(w.proc is None or w.proc.poll() is not None for w in self.workers):
                     log.info("all workers stopped")
                     return 0
