@@ -187,6 +187,12 @@ class HFTokenizer:
                         if (s := _token_str(cfg.get(k))) is not None}
         source = _load_template(directory, cfg)
         self.template = compile_chat_template(source) if source else None
+        # the template's globals, flattened once (jinja merges its ChainMap on every render)
+        self._globals = dict(self.template.globals) if self.template is not None else {}
+        if self.template is not None:
+            from jinja2.runtime import new_context
+
+            self._new_context = new_context
         with_sp = self.tok.encode("a", add_special_tokens=True).ids
         without = self.tok.encode("a", add_special_tokens=False).ids
         k = len(without)
@@ -200,25 +206,35 @@ class HFTokenizer:
                     extra: Mapping[str, Any] | None = None) -> str:
         if self.template is None:
             return bytetok.render_chat(messages, add_generation_prompt)
-        msgs = [{**m, "content": content_text(m.get("content"))} if not isinstance(m.get("content"), str)
-                and m.get("content") is not None else m for m in messages]
+        msgs = messages
+        for m in messages:
+            c = m.get("content")
+            if c is not None and not isinstance(c, str):  # content parts → their text
+                msgs = [{**m, "content": content_text(m.get("content"))} if not isinstance(m.get("content"), str)
+                        and m.get("content") is not None else m for m in messages]
+                break
         kw: dict[str, Any] = {**self.special, "tools": None, "documents": None}
         kw.update(extra or {})
         kw["messages"], kw["add_generation_prompt"] = msgs, add_generation_prompt
-        return str(self.template.render(**kw))
+        # what Template.render(**kw) does, minus merging the globals' ChainMap each time
+        t = self.template
+        ctx = self._new_context(t.environment, t.name, t.blocks, kw, False, self._globals)
+        return str(t.environment.concat(t.root_render_func(ctx)))  # type: ignore[attr-defined]
 
 
 class _State:
     """The hashing state after one piece of a text (cached per piece-prefix key). States
     link to the state before them, so a cached state yields all hashes of its prefix."""
 
-    __slots__ = ("n", "hashes", "tail", "parent")
+    __slots__ = ("n", "hashes", "tail", "parent", "key", "count")
 
-    def __init__(self, n: int, hashes: list[int], tail: Ids, parent: _State | None) -> None:
+    def __init__(self, n: int, hashes: list[int], tail: Ids, parent: _State | None, key: int) -> None:
         self.n = n            # tokens from the start of the text through this piece
         self.hashes = hashes  # block hashes completed by this piece
         self.tail = tail      # tokens of the trailing partial block
         self.parent = parent
+        self.key = key        # rolling hash of every piece through this one (the cache key)
+        self.count = len(hashes) + (parent.count if parent is not None else 0)  # hashes through here
 
     def all_hashes(self) -> list[int]:
         parts = []
@@ -233,34 +249,68 @@ class _State:
         return out
 
 
-def message_cuts(text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Positions in a rendered chat right after each message's content (found in order)."""
-    cuts, pos = [], 0
+class _Mark:
+    """A chat prefix seen before: the rendered text through message ``i``'s content ends at
+    ``end`` and hashes (xxh3-128 of its UTF-8) to ``digest``; ``state`` is its hashing state."""
+
+    __slots__ = ("end", "digest", "state")
+
+    def __init__(self, end: int, digest: int, state: _State) -> None:
+        self.end, self.digest, self.state = end, digest, state
+
+
+def _text_digest(text: str, end: int) -> int:
+    return xxhash.xxh3_128_intdigest(text[:end].encode("utf-8", "surrogatepass"))
+
+
+def _contents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
     for m in messages:
         c = m.get("content")
-        if type(c) is not str:
-            c = content_text(c)
+        out.append(c if type(c) is str else content_text(c))
+    return out
+
+
+def _cuts_from(text: str, contents: Sequence[str], first: int, pos: int) -> list[tuple[int, int]]:
+    """(message index, position right after its content) for ``contents[first:]``, found in
+    order from ``pos``; messages with empty or unfound content get no cut."""
+    cuts = []
+    for i in range(first, len(contents)):
+        c = contents[i]
         if c:
-            i = text.find(c, pos, pos + len(c) + 1024)  # template glue between contents is short
-            if i < 0:
-                i = text.find(c, pos)
-            if i >= 0:
-                pos = i + len(c)
-                cuts.append(pos)
+            j = text.find(c, pos, pos + len(c) + 1024)  # template glue between contents is short
+            if j < 0:
+                j = text.find(c, pos)
+            if j >= 0:
+                pos = j + len(c)
+                cuts.append((i, pos))
     return cuts
 
 
+def message_cuts(text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Positions in a rendered chat right after each message's content (found in order)."""
+    return [c for _, c in _cuts_from(text, _contents(messages), 0, 0)]
+
+
 class ModelTokenizer:
-    """Tokenizes and block-hashes one model's prompts with a bounded piece cache.
+    """Tokenizes and block-hashes one model's prompts with bounded caches.
 
     A text is cut into pieces: after each chat message's content, and inside long stretches
     at content-defined boundaries (:func:`split_chunks`). Each piece is keyed by a rolling
-    hash of every piece up to it (and the seed and block size), and the cache keeps, per
-    key, the block hashes that piece completed and the partial block it left. A request
-    whose leading pieces are cached resumes from there: a growing chat tokenizes and hashes
-    only its new turn. Pieces are encoded separately (exact for ``builtin``; for BPE a
-    merge across a piece seam can differ from encoding the whole text — routing only needs
-    the same prefix to give the same hashes every time).
+    hash of every piece up to it (and the seed and block size), and the piece cache keeps,
+    per key, the block hashes that piece completed and the partial block it left. A request
+    whose leading pieces are cached resumes from there.
+
+    Chats have a second cache, of marks: per message prefix (keyed by the message index
+    and a chain hash of the contents through it, with the seed and block size), where its
+    rendered text ends, an xxh3-128 digest of that text and the hashing state there. A chat
+    finds its longest marked prefix from the end (usually one probe), checks it against its
+    own full rendering (one digest of the prefix text: a template that renders history
+    differently misses instead of being wrong), and only then locates, cuts, keys,
+    tokenizes and hashes the text after it — a growing chat pays for its new turn only, and
+    the result is the one a cold cache computes. Pieces are encoded separately (exact for
+    ``builtin``; for BPE a merge across a piece seam can differ from encoding the whole text
+    — routing only needs the same prefix to give the same hashes every time).
     """
 
     def __init__(self, tok: BuiltinTokenizer | HFTokenizer, cache_entries: int = 8192,
@@ -268,12 +318,15 @@ class ModelTokenizer:
         self.tok = tok
         self.chunk_chars = chunk_chars
         self.cache = LRU(cache_entries)
+        self.marks = LRU(cache_entries)  # chat message prefixes → _Mark
         self.short = LRU(1024)  # ids of short pieces by text: template glue between messages
         self.encoded_chars = 0  # characters actually sent to the tokenizer (cache misses)
 
-    def _pieces(self, text: str, cuts: Sequence[int] = ()) -> list[str]:
+    def _pieces(self, text: str, cuts: Sequence[int] = (), start: int = 0) -> list[str]:
+        """Pieces of ``text[start:]``, cut at ``cuts`` (ascending, all ≥ ``start``) and inside
+        stretches longer than ``chunk_chars``."""
         out: list[str] = []
-        prev, cc = 0, self.chunk_chars
+        prev, cc = start, self.chunk_chars
         for cut in cuts:
             if cut - prev > cc:
                 out += split_chunks(text[prev:cut], cc)
@@ -301,46 +354,89 @@ class ModelTokenizer:
                     cuts: Sequence[int] = ()) -> tuple[int, list[int]]:
         """(number of tokens, chained block hashes) of ``text``, resuming from the cache."""
         pre, post = self._specials(add_special_tokens)
-        pieces = self._pieces(text, cuts)
+        n, hashes, _ = self._advance(self._pieces(text, cuts), None, block_size, seed, pre, post)
+        return n, hashes
+
+    def _advance(self, pieces: Sequence[str], start: _State | None, block_size: int, seed: int,
+                 pre: Ids = (), post: Ids = ()) -> tuple[int, list[int], list[_State]]:  # type: ignore[assignment]
+        """Tokens, all block hashes, and the state after each piece, of ``pieces`` following
+        the state ``start`` (None: the text's beginning, after the ``pre`` special tokens)."""
         cache, digest = self.cache, xxhash.xxh3_64_intdigest
-        key = digest(b"%d:%d" % (block_size, len(pre)), seed)
+        key = start.key if start is not None else digest(b"%d:%d" % (block_size, len(pre)), seed)
         keys = []
         for piece in pieces:
             key = digest(piece.encode("utf-8", "surrogatepass"), key)
             keys.append(key)
+        states: list[_State] = [None] * len(pieces)  # type: ignore[list-item]
         i = len(pieces)
-        st: _State | None = None
+        st: _State | None = start
         while i > 0:  # the longest cached prefix, searched from the end (usually 1–2 probes)
-            st = cache.get(keys[i - 1])
-            if st is not None:
+            found = cache.get(keys[i - 1])
+            if found is not None:
+                st = found
                 break
             i -= 1
+        back = st
+        for j in range(i - 1, -1, -1):  # the cached states of the leading pieces
+            states[j] = back  # type: ignore[assignment]
+            back = back.parent  # type: ignore[union-attr]
         if st is not None:
             hashes, n, tail = st.all_hashes(), st.n, st.tail
         else:
             hashes, n, tail = [], len(pre), list(pre)
-        short = self.short
+        short, encode = self.short, self.tok.encode
         for j in range(i, len(pieces)):
             piece = pieces[j]
             ids = short.get(piece) if len(piece) <= 64 else None
             if ids is None:
-                ids = self.tok.encode(piece, False)
+                ids = encode(piece, False)
                 self.encoded_chars += len(piece)
                 if len(piece) <= 64:
                     short.put(piece, ids)
-            buf = tail + ids
+            buf = tail + ids if tail else ids
             full = len(buf) // block_size * block_size
-            new = block_hashes(buf[:full], block_size, seed, parent=hashes[-1] if hashes else None)
+            new = block_hashes(buf, block_size, seed, parent=hashes[-1] if hashes else None) if full else []
             hashes += new
             n += len(ids)
             tail = buf[full:]
-            st = _State(n, new, tail, st)
+            st = states[j] = _State(n, new, tail, st, keys[j])
             cache.put(keys[j], st)
         if post:
-            buf = tail + post
-            full = len(buf) // block_size * block_size
-            hashes += block_hashes(buf[:full], block_size, seed, parent=hashes[-1] if hashes else None)
+            buf = tail + list(post)
+            hashes += block_hashes(buf, block_size, seed, parent=hashes[-1] if hashes else None)
             n += len(post)
+        return n, hashes, states
+
+    def _chat_text_blocks(self, text: str, messages: Sequence[Mapping[str, Any]], block_size: int,
+                          seed: int) -> tuple[int, list[int]]:
+        contents, chain, h = [], [], seed ^ block_size
+        for m in messages:  # a chain hash of the contents (their cuts depend on nothing else)
+            c = m.get("content")
+            if type(c) is not str:
+                c = content_text(c)
+            h = hash((h, c))
+            contents.append(c)
+            chain.append(h)
+        marks = self.marks
+        first, start, mark = 0, 0, None
+        for i in range(len(contents) - 1, -1, -1):  # the longest marked prefix, from the end
+            if not contents[i]:
+                continue
+            mk = marks.get((seed, block_size, i, chain[i]))
+            if mk is not None and mk.end <= len(text) and _text_digest(text, mk.end) == mk.digest:
+                first, start, mark = i + 1, mk.end, mk
+                break
+        cuts = _cuts_from(text, contents, first, start)
+        pieces = self._pieces(text, [c for _, c in cuts], start)
+        n, hashes, states = self._advance(pieces, mark.state if mark else None, block_size, seed)
+        ends, pos = {}, start
+        for piece, st in zip(pieces, states, strict=True):
+            pos += len(piece)
+            ends[pos] = st
+        for i, cut in cuts:
+            st = ends.get(cut)
+            if st is not None:
+                marks.put((seed, block_size, i, chain[i]), _Mark(cut, _text_digest(text, cut), st))
         return n, hashes
 
     # -- request bodies ---------------------------------------------------------------
@@ -397,7 +493,7 @@ class ModelTokenizer:
         text = self._render(messages, add_generation_prompt, extra)
         if text is None:
             return None
-        return self.text_blocks(text, block_size, seed, False, message_cuts(text, messages))
+        return self._chat_text_blocks(text, messages, block_size, seed)
 
 
 def load_tokenizer(spec: str, cache_entries: int = 8192, chunk_chars: int = 1024) -> ModelTokenizer | None:
