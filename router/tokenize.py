@@ -264,10 +264,9 @@ def _text_digest(text: str, end: int) -> int:
 
 
 def _contents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    out = []
-    for m in messages:
-        c = m.get("content")
-        out.append(c if type(c) is str else content_text(c))
+    out = [m.get("content") for m in messages]
+    if set(map(type, out)) != {str}:  # content parts (or none) → their text
+        out = [c if type(c) is str else content_text(c) for c in out]
     return out
 
 
@@ -409,20 +408,14 @@ class ModelTokenizer:
 
     def _chat_text_blocks(self, text: str, messages: Sequence[Mapping[str, Any]], block_size: int,
                           seed: int) -> tuple[int, list[int]]:
-        contents, chain, h = [], [], seed ^ block_size
-        for m in messages:  # a chain hash of the contents (their cuts depend on nothing else)
-            c = m.get("content")
-            if type(c) is not str:
-                c = content_text(c)
-            h = hash((h, c))
-            contents.append(c)
-            chain.append(h)
+        contents = _contents(messages)
         marks = self.marks
         first, start, mark = 0, 0, None
         for i in range(len(contents) - 1, -1, -1):  # the longest marked prefix, from the end
             if not contents[i]:
                 continue
-            mk = marks.get((seed, block_size, i, chain[i]))
+            # keyed by all contents through message i (their cuts depend on nothing else)
+            mk = marks.get((seed, block_size, i, hash(tuple(contents[:i + 1]))))
             if mk is not None and mk.end <= len(text) and _text_digest(text, mk.end) == mk.digest:
                 first, start, mark = i + 1, mk.end, mk
                 break
@@ -436,7 +429,8 @@ class ModelTokenizer:
         for i, cut in cuts:
             st = ends.get(cut)
             if st is not None:
-                marks.put((seed, block_size, i, chain[i]), _Mark(cut, _text_digest(text, cut), st))
+                key = (seed, block_size, i, hash(tuple(contents[:i + 1])))
+                marks.put(key, _Mark(cut, _text_digest(text, cut), st))
         return n, hashes
 
     # -- request bodies ---------------------------------------------------------------
