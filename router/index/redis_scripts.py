@@ -1,0 +1,197 @@
+"""The Redis index's server-side part: its Lua scripts (lookup, record, remove, clear), the
+packing of block hashes they read, the model hash tag and the bucket count. The key schema
+and the generation/bucket design they implement are described in :mod:`router.index.redis`,
+which re-exports every name here. Pure (text and arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+
+GENERATIONS = 8
+BUCKET_TARGET = 64
+
+LOOKUP_LUA = """
+local meta = redis.call('HGETALL', KEYS[1])
+local hs = ARGV[1]
+local prefix = ARGV[2]
+local n = #hs / 8
+if n == 0 then return {} end
+local g, nb, w = {}, {}, {}
+for i = 1, #meta, 2 do
+  local f = meta[i]
+  local k = string.sub(f, 1, 2)
+  if k == 'g:' then g[string.sub(f, 3)] = tonumber(meta[i + 1])
+  elseif k == 'b:' then nb[string.sub(f, 3)] = tonumber(meta[i + 1])
+  elseif k == 'w:' then w[string.sub(f, 3)] = tonumber(meta[i + 1]) end
+end
+local blocks = {}
+local function blk(i)
+  local h = blocks[i]
+  if not h then
+    h = string.sub(hs, i * 8 - 7, i * 8)
+    blocks[i] = h
+  end
+  return h
+end
+local out = {}
+for rep, gen in pairs(g) do
+  local buckets, keep = nb[rep], w[rep]
+  if buckets and keep then
+    local kp = prefix .. rep .. ':'
+    local floor = gen - keep
+    local function has(i)
+      local h = blk(i)
+      local b1, b2, b3 = string.byte(h, 1, 3)
+      local v = redis.call('HGET', kp .. ((b1 + b2 * 256 + b3 * 65536) % buckets), h)
+      return v and tonumber(v) > floor
+    end
+    local found = 0
+    if has(1) then
+      if n == 1 or has(n) then
+        found = n
+      else
+        local lo, hi = 1, n - 1
+        while lo < hi do
+          local mid = math.floor((lo + hi + 1) / 2)
+          if has(mid) then lo = mid else hi = mid - 1 end
+        end
+        found = lo
+      end
+    end
+    if found > 0 then
+      out[#out + 1] = rep
+      out[#out + 1] = found
+    end
+  end
+end
+return out
+"""
+
+RECORD_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local hs = ARGV[2]
+local kp = ARGV[3] .. rep .. ':'
+local cap = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[5])
+local maxgen = tonumber(ARGV[6])
+local target = tonumber(ARGV[7])
+local now = tonumber(redis.call('TIME')[1])
+local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep, 't:' .. rep)
+local g = tonumber(st[1]) or 0
+local cnt = tonumber(st[2]) or 0
+local nb = tonumber(st[3]) or math.max(1, math.ceil(cap / target))
+local cur = tonumber(st[4]) or 0
+local t0 = tonumber(st[5]) or now
+local changed = st[1] == false
+if now - t0 >= ttl / 2000 then
+  -- a generation lasts at most ttl/2: blocks in use are rewritten (and their TTL renewed)
+  g = g + 1
+  cnt = 0
+  t0 = now
+  changed = true
+end
+local w = math.max(1, math.min(maxgen, cap))
+local S = math.max(1, math.floor(cap / w))
+local n = #hs / 8
+local function key_of(i)
+  local h = string.sub(hs, i * 8 - 7, i * 8)
+  local b1, b2, b3 = string.byte(h, 1, 3)
+  return kp .. ((b1 + b2 * 256 + b3 * 65536) % nb), h
+end
+local function current(i)
+  local key, h = key_of(i)
+  local v = redis.call('HGET', key, h)
+  return v and tonumber(v) == g
+end
+-- Blocks already in the current generation form a prefix of the chain (a chain is written
+-- tail-first, so a current block's whole prefix was written after it): find its end.
+local done = 0
+if n > 0 and current(n) then
+  done = n
+elseif n > 1 then
+  local lo, hi = 0, n - 1
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if current(mid) then lo = mid else hi = mid - 1 end
+  end
+  done = lo
+end
+local touched = {}
+local new = 0
+for i = n, done + 1, -1 do
+  local key, h = key_of(i)
+  if cnt >= S then
+    g = g + 1
+    cnt = 0
+  end
+  redis.call('HSET', key, h, g)
+  cnt = cnt + 1
+  new = new + 1
+  touched[key] = true
+end
+for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
+local floor = g - w
+local sweep = math.min(nb, math.ceil(new * nb / S))
+for s = 1, sweep do
+  local key = kp .. cur
+  cur = (cur + 1) % nb
+  local all = redis.call('HGETALL', key)
+  for j = 1, #all, 2 do
+    if tonumber(all[j + 1]) <= floor then redis.call('HDEL', key, all[j]) end
+  end
+end
+if new > 0 or changed then
+  redis.call('HSET', meta, 'g:' .. rep, g, 'n:' .. rep, cnt, 'b:' .. rep, nb, 'c:' .. rep, cur,
+             'w:' .. rep, w, 't:' .. rep, t0)
+  redis.call('PEXPIRE', meta, ttl)
+end
+return new
+"""
+
+REMOVE_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local hs = ARGV[2]
+local kp = ARGV[3] .. rep .. ':'
+local nb = tonumber(redis.call('HGET', meta, 'b:' .. rep))
+if not nb then return 0 end
+local gone = 0
+for i = 1, #hs / 8 do
+  local h = string.sub(hs, i * 8 - 7, i * 8)
+  local b1, b2, b3 = string.byte(h, 1, 3)
+  gone = gone + redis.call('HDEL', kp .. ((b1 + b2 * 256 + b3 * 65536) % nb), h)
+end
+return gone
+"""
+
+CLEAR_LUA = """
+local meta = KEYS[1]
+local rep = ARGV[1]
+local w = tonumber(redis.call('HGET', meta, 'w:' .. rep))
+if not w then return 0 end
+redis.call('HINCRBY', meta, 'g:' .. rep, w)
+redis.call('HSET', meta, 'n:' .. rep, 0)
+return 1
+"""
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as one binary string, 8 little-endian bytes each."""
+    try:
+        return array("Q", hashes).tobytes()
+    except OverflowError:
+        return array("Q", [h & 0xFFFFFFFFFFFFFFFF for h in hashes]).tobytes()
+
+
+def model_tag(model: str) -> str:
+    """The model's name as a Cluster hash tag body (braces would end the tag early)."""
+    return model.replace("{", "(").replace("}", ")")
+
+
+def buckets_for(capacity: int) -> int:
+    """Bucket count the record script picks for a replica of ``capacity`` blocks."""
+    return max(1, math.ceil(capacity / BUCKET_TARGET))
