@@ -10,6 +10,10 @@ Prints, in one run (one process, loopback Redis started here, uvloop when instal
 * hashing 131,072 tokens (ms);
 * one Redis lookup of 8,192 blocks with 8 replicas holding prefixes of it (wall ms).
 
+``--repeat K`` runs every row K times, interleaved, and prints medians with the CPU-ms range;
+``--breakdown`` adds the BPE + Redis path measured stage by stage (render, + tokenize and
+hash, + lookup, + policy, + record).
+
 Targets (issues 4 and 9): ≤ 0.4 CPU-ms per cache-aware chat request, ≤ 5 ms to hash
 131,072 tokens, ≤ 1 ms per 8,192-block lookup. Run: ``python -m loadtest.bench_routing``.
 """
@@ -89,8 +93,13 @@ def make_config(tokenizer: str, redis_url: str | None, replicas: int) -> Config:
                      for i in range(replicas)]})
 
 
-async def route_cost(cfg: Config, fresh: bool, n: int, replicas: int) -> tuple[float, float, int]:
-    """CPU-ms and wall-ms per request of the cache-aware path; returns also the token count."""
+STAGES = ("render the chat template", "+ tokenize and hash (annotate)", "+ Redis lookup", "+ policy choice",
+          "+ queue the record (and its batched write)")
+
+
+async def route_cost(cfg: Config, fresh: bool, n: int, replicas: int, stage: int = 4) -> tuple[float, float, int]:
+    """CPU-ms and wall-ms per request of the cache-aware path; returns also the token count.
+    ``stage`` < 4 stops each request early (see ``STAGES``): the breakdown of the path."""
     svc = PrefixService(cfg, CollectorRegistry())
     await svc.start()
     policy = default_registry().create("cache_aware", {})
@@ -114,13 +123,24 @@ async def route_cost(cfg: Config, fresh: bool, n: int, replicas: int) -> tuple[f
         bodies.append({"model": MODEL, "messages": msgs})
     ntok = 0
     c0, t0 = time.process_time(), time.perf_counter()
+    tok = svc.model(MODEL).tok
+    assert tok is not None
     for body in bodies:
+        if stage == 0:
+            tok._render(body["messages"], True, {})
+            continue
         req = RoutingRequest(model=MODEL)
         await svc.annotate("/v1/chat/completions", body, req)
-        matches = await svc.lookup(req)
-        d = policy.choose(req, states, matches, rng)
-        svc.record(req, d.replica)
         ntok += req.num_tokens
+        if stage == 1:
+            continue
+        matches = await svc.lookup(req)
+        if stage == 2:
+            continue
+        d = policy.choose(req, states, matches, rng)
+        if stage == 3:
+            continue
+        svc.record(req, d.replica)
     await svc.index.flush()
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     await svc.close()
@@ -177,16 +197,26 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory() as d:
             bpe = str(train_tokenizer(Path(d)))
-            rows = []
-            for label, tok, backend, fresh in [
+            cases = [
                 ("builtin tokenizer, chat + new turn, Redis", "builtin", url, False),
                 ("BPE tokenizer.json, chat + new turn, Redis", bpe, url, False),
                 ("BPE tokenizer.json, chat + new turn, memory", bpe, None, False),
                 ("BPE tokenizer.json, fresh 4k prompt, Redis", bpe, url, True),
-            ]:
-                cpu, wall, ntok = await route_cost(make_config(tok, backend, args.replicas), fresh, args.requests,
-                                                   args.replicas)
-                rows.append((label, ntok, cpu, wall))
+            ]
+            runs: list[list[tuple[int, float, float]]] = [[] for _ in cases]
+            stages: list[list[float]] = [[] for _ in STAGES]
+            for _ in range(args.repeat):  # rows interleaved: a load change hits them all alike
+                for k, (_label, tok, backend, fresh) in enumerate(cases):
+                    cpu, wall, ntok = await route_cost(make_config(tok, backend, args.replicas), fresh,
+                                                       args.requests, args.replicas)
+                    runs[k].append((ntok, cpu, wall))
+                if args.breakdown:
+                    for st in range(len(STAGES)):
+                        cpu, _, _ = await route_cost(make_config(bpe, url, args.replicas), False,
+                                                     args.requests // 2, args.replicas, stage=st)
+                        stages[st].append(cpu)
+            rows = [(label, r[0][0], statistics.median(x[1] for x in r), statistics.median(x[2] for x in r),
+                     min(x[1] for x in r), max(x[1] for x in r)) for (label, *_), r in zip(cases, runs, strict=True)]
         rr = round_robin_cost(args.requests * 10, args.replicas)
         h = hash_cost()
         lk_wall, lk_cpu, found = await lookup_cost(url)
@@ -198,11 +228,20 @@ async def main_async(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
           "(CPU-ms rise with it on a shared machine: compare runs at similar load)")
-    print(f"cache-aware routing cost per request ({args.replicas} replicas, {args.requests} requests each):")
-    print(f"  {'path':<46} {'tokens':>7} {'CPU-ms':>8} {'wall-ms':>8}")
-    for label, ntok, cpu, wall in rows:
-        print(f"  {label:<46} {ntok:>7} {cpu:>8.3f} {wall:>8.3f}")
+    print(f"cache-aware routing cost per request ({args.replicas} replicas, {args.requests} requests each, "
+          f"median of {args.repeat} run(s), CPU-ms range over the runs):")
+    print(f"  {'path':<46} {'tokens':>7} {'CPU-ms':>8} {'wall-ms':>8} {'CPU-ms range':>14}")
+    for label, ntok, cpu, wall, lo, hi in rows:
+        print(f"  {label:<46} {ntok:>7} {cpu:>8.3f} {wall:>8.3f} {lo:>6.3f}-{hi:<7.3f}")
     print(f"  {'round_robin choice alone (for scale)':<46} {'-':>7} {rr:>8.4f}")
+    if args.breakdown:
+        print("where the BPE + Redis path goes (cumulative stages, median CPU-ms per request; the step is "
+              "the difference):")
+        prev = 0.0
+        for name, vals in zip(STAGES, stages, strict=True):
+            med = statistics.median(vals)
+            print(f"  {name:<46} {med:>8.3f}  step {med - prev:+.3f}")
+            prev = med
     target = rows[1][2]
     print(f"target: cache-aware 4k-token chat <= 0.4 CPU-ms: BPE {target:.3f} ms, builtin {rows[0][2]:.3f} ms -> "
           f"{'OK' if max(target, rows[0][2]) <= 0.4 else 'MISSED'}; "
@@ -217,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="runs of every row, interleaved (median and range)")
+    p.add_argument("--breakdown", action="store_true", help="also measure the BPE path stage by stage")
     p.add_argument("--redis-url", default=None, help="an existing Redis (default: start one on a free port)")
     args = p.parse_args(argv)
     try:
