@@ -21,7 +21,9 @@ message's content, and inside long stretches after the first newline (before a w
 ``chunk_chars`` characters (hard cut at 4 × that) — and a bounded LRU keeps, per piece and everything
 before it, the block hashes the piece completed. Cuts depend only on the text before them,
 so a growing multi-turn chat re-uses its whole history and tokenizes and hashes only its
-new turn. Pieces are encoded separately: exact for ``builtin`` (bytes); for a byte-level
+new turn. A chat also finds its longest known message prefix directly (a second LRU, keyed
+by message index and contents, checked against a digest of the freshly rendered prefix
+text), so the history is not even located, cut or keyed again. Pieces are encoded separately: exact for ``builtin`` (bytes); for a byte-level
 BPE the cuts fall on pre-token boundaries (a newline before a word; a message's end,
 where templates put a special token), so the ids equal whole-text encoding in the usual
 case (tested), while a template gluing text to a message's end could differ at that seam
