@@ -29,11 +29,8 @@ SGLANG_METRICS = {
 }
 SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"
 
-_ROLE_OF: dict[str, str] = {}
-for _names in (VLLM_METRICS, SGLANG_METRICS):
-    for _role, _name in _names.items():
-        _ROLE_OF[_name] = _role
-_ROLE_OF[VLLM_LEGACY_KV] = "kv_usage"
+_ROLE_OF: dict[str, str] = {name: role for metrics in (VLLM_METRICS, SGLANG_METRICS)
+                            for role, name in metrics.items()} | {VLLM_LEGACY_KV: "kv_usage"}
 _WANTED = (*_ROLE_OF, VLLM_CACHE_INFO, SGLANG_MAX_TOKENS)
 
 

@@ -1,0 +1,1 @@
+"""kvrouter test suite: unit, contract, integration and end-to-end tests (``make test``)."""

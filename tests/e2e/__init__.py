@@ -1,0 +1,1 @@
+"""End-to-end tests: the CLI, deploy files and whole topologies as a user runs them."""

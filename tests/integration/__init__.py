@@ -1,0 +1,1 @@
+"""Integration tests: real sockets, real Redis, simulated engines and the router together."""

@@ -1,0 +1,1 @@
+"""Unit tests of pure modules (no sockets, no clocks)."""
