@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.crc import key_slot
 
 from router.index.redis import BUCKET_TARGET, GENERATIONS, LOOKUP_LUA, RECORD_LUA, RedisIndex, pack_hashes
-from router.index.resp import RespConnection, RespError, encode_command
+from router.index.resp import RespConnection, RespError, encode_command, timed
 
 SLOTS = 16384
 
@@ -83,24 +83,8 @@ def _redirect(reply: object) -> tuple[str, str, int] | None:
     return None
 
 
-async def _timed(fut: asyncio.Future[Any], timeout: float) -> Any:
-    """Await a reply future with a deadline. A timer fails the future instead of
-    ``asyncio.wait_for``, which on Python 3.11 can swallow a cancellation that races with
-    the reply (the caller's task would then never stop)."""
-    timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
-    try:
-        return await fut
-    finally:
-        timer.cancel()
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError("redis reply timed out"))
-
-
 async def _gathered(futs: list[asyncio.Future[Any]], timeout: float) -> list[Any]:
-    return [await _timed(f, timeout) for f in futs]
+    return [await timed(f, timeout) for f in futs]
 
 
 class ClusterConnections:
@@ -122,7 +106,7 @@ class ClusterConnections:
         for seed in [*self.seeds, *self._conns]:
             try:
                 conn = await self._open(seed)
-                reply = await _timed(conn.call("CLUSTER", "SLOTS"), self.timeout_s * 4)
+                reply = await timed(conn.call("CLUSTER", "SLOTS"), self.timeout_s * 4)
                 if isinstance(reply, RespError):
                     raise reply
                 self._slots = parse_slots(reply, self.seeds[0])
@@ -156,7 +140,7 @@ class ClusterConnections:
         """Send one command to the node owning ``key``; follows one MOVED/ASK."""
         t = timeout or self.timeout_s
         conn = await self.conn_for(key)
-        reply = await _timed(conn.call(*args), t)
+        reply = await timed(conn.call(*args), t)
         red = _redirect(reply)
         if red is None:
             return reply
@@ -167,7 +151,7 @@ class ClusterConnections:
         if kind == "ASK":
             asking = node.call("ASKING")  # its reply is read (in order) and ignored
             asking.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return await _timed(node.call(*args), t)
+        return await timed(node.call(*args), t)
 
     async def call_many(self, key: bytes | str, commands: list[bytes], timeout: float) -> list[Any]:
         """A pipeline of encoded commands to ``key``'s node (all must share its slot)."""
@@ -213,7 +197,7 @@ class SingleConnection:
             return self._conn
 
     async def call(self, key: bytes | str, *args: bytes | str | int, timeout: float | None = None) -> Any:
-        return await _timed((await self._get()).call(*args), timeout or self.timeout_s)
+        return await timed((await self._get()).call(*args), timeout or self.timeout_s)
 
     async def call_many(self, key: bytes | str, commands: list[bytes], timeout: float) -> list[Any]:
         conn = await self._get()

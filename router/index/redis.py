@@ -79,7 +79,7 @@ from router.index.redis_scripts import (  # noqa: F401  (re-exported: scripts an
     model_tag,
     pack_hashes,
 )
-from router.index.resp import RespConnection, RespError, encode_command
+from router.index.resp import RespConnection, RespError, encode_command, timed
 
 log = logging.getLogger("kvrouter.index.redis")
 
@@ -223,12 +223,7 @@ class RedisIndex:
             return self._conn
 
     async def _call(self, conn: RespConnection, *args: bytes | str) -> object:
-        fut = conn.call(*args)
-        timer = asyncio.get_running_loop().call_later(self.timeout_s, _expire, fut)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
+        return await timed(conn.call(*args), self.timeout_s)
 
     # -- writes -----------------------------------------------------------------------
     def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
@@ -339,8 +334,3 @@ class RedisIndex:
             self._failed("clear", exc)
             return
         self._ok()
-
-
-def _expire(fut: asyncio.Future[object]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError("redis lookup timed out"))

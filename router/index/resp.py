@@ -69,6 +69,22 @@ def parse_reply(buf: bytes | bytearray, pos: int) -> tuple[Any, int]:
     raise RespError(f"protocol error: unexpected reply type {chr(kind)!r}")
 
 
+async def timed(fut: asyncio.Future[Any], timeout: float) -> Any:
+    """Await a reply future with a deadline. A timer fails the future instead of
+    ``asyncio.wait_for``, which on Python 3.11 can swallow a cancellation that races with
+    the reply (the caller's task would then never stop)."""
+    timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("redis reply timed out"))
+
+
 class RespConnection(asyncio.Protocol):
     """One connection; ``call()`` returns a future of the decoded reply."""
 
