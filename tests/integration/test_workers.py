@@ -132,7 +132,8 @@ async def test_shared_load_survives_redis_down(redis_server) -> None:
 
     srv = RedisServer().start()
     states = [ReplicaState(id="r0", in_flight=1)]
-    me = SharedLoad(srv.url, lambda: states, namespace="wt2", interval_s=0.05, ttl_s=0.3)
+    me = SharedLoad(srv.url, lambda: states, namespace="wt2", interval_s=0.05, ttl_s=0.3,
+                    timeout_s=5.0)  # a loaded machine must not time out the first sync
     try:
         await me.start()
         assert me.up and me.syncs >= 1
