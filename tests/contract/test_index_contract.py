@@ -55,7 +55,7 @@ async def make_index(backend, request):
         else:
             url = url or base_url
             idx = RedisIndex(url, namespace="t", ttl_s=ttl_s, default_capacity=capacity,
-                             timeout_s=0.5, retry_s=0.2, **kw)
+                             timeout_s=2.0, retry_s=0.2, **kw)  # 2 s: a loaded machine, not a dead Redis
         await idx.start()
         made.append(idx)
         return idx
