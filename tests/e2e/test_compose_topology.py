@@ -210,8 +210,15 @@ async def test_compose_topology_serves_shares_placement_and_drains(tmp_path: Pat
         t_sig = time.monotonic()
         topo.procs[r1].signal(signal.SIGTERM)
         async with aiohttp.ClientSession() as s:
-            async with s.get(urls[0] + "/ready") as r:
-                assert r.status == 503 and (await r.json())["draining"] is True
+            # the signal is handled asynchronously: /ready turns 503 within moments, not at once
+            ready_deadline = time.monotonic() + 10
+            while True:
+                async with s.get(urls[0] + "/ready") as r:
+                    status, body = r.status, await r.json()
+                if status == 503 or time.monotonic() > ready_deadline:
+                    break
+                await asyncio.sleep(0.02)
+            assert status == 503 and body["draining"] is True
             async with s.get(urls[1] + "/ready") as r:
                 assert r.status == 200
         drain_delay = c.router_config(r1).lifecycle.drain_delay_s
