@@ -192,7 +192,17 @@ class Lifecycle:
                 continue
             now = stamp()
             if now is not None and now != last:
+                # an editor may still be writing: reload once the file has stopped changing
+                settle = min(every, 0.2)
+                while True:
+                    await asyncio.sleep(settle)
+                    again = stamp()
+                    if again == now:
+                        break
+                    now = again
                 last = now
+                if now is None:
+                    continue
                 log.info("config file %s changed: reloading", path)
                 await self.reload()
 

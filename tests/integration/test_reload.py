@@ -206,8 +206,11 @@ async def test_config_file_change_is_reloaded_without_a_signal(sim_factory, tmp_
         async def two() -> bool:
             return len(await admin.replicas()) == 2
 
+        async def reloaded() -> bool:
+            return await admin.metric("kvrouter_config_reloads_total") == 1
+
         await wait_for(two)
-        assert await admin.metric("kvrouter_config_reloads_total") == 1
+        await wait_for(reloaded)  # counted just after the new replicas are applied
         assert "config file" in router.log() and "changed: reloading" in router.log()
     finally:
         await admin.s.close()
