@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any
 
@@ -17,13 +18,31 @@ import yaml
 from router.config import Config, ConfigError, check_policy, load_config
 
 _SECRET_KEYS = {"api_key", "admin_key", "api_keys"}
+# query parameters of a URL whose value is a secret (e.g. redis://host/0?password=...)
+_SECRET_PARAMS = ("password", "pass", "passwd", "token", "secret", "key", "api_key", "apikey")
+_URL_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@?#:]*)(?::[^/?#]*)?@")
+_URL_PARAM = re.compile(r"(?P<head>[?&](?:" + "|".join(_SECRET_PARAMS) + r")=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password (``user:PASSWORD@``) and secret query parameters as ``***``;
+    any other string unchanged. ``redis://u:pw@a:1,b:2/0`` → ``redis://u:***@a:1,b:2/0``."""
+    if "://" not in url:
+        return url
+    m = _URL_USERINFO.match(url)
+    if m is not None and ":" in url[len(m.group("head")):m.end()]:
+        url = f"{m.group('head')}{m.group('user')}:***@{url[m.end():]}"
+    return _URL_PARAM.sub(lambda p: p.group("head") + "***", url)
 
 
 def _masked(d: Any) -> Any:
+    """Secrets masked: the values of secret keys, and passwords inside every URL string."""
     if isinstance(d, dict):
         return {k: ("***" if k in _SECRET_KEYS and v else _masked(v)) for k, v in d.items()}
     if isinstance(d, list):
         return [_masked(x) for x in d]
+    if isinstance(d, str):
+        return redact_url(d)
     return d
 
 

@@ -107,3 +107,22 @@ def test_config_check_cli(tmp_path, capsys, monkeypatch):
     assert config_main(["show", str(ROOT / "config" / "router.yaml"), "--set", "auth.admin_key=s3"]) == 0
     out = capsys.readouterr().out
     assert "admin_key: '***'" in out and "s3" not in out
+
+
+def test_config_show_redacts_every_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Passwords inside URLs (index, shared load, replicas) and every key are printed as ***."""
+    cfg = tmp_path / "secrets.yaml"
+    cfg.write_text(
+        "index: {backend: redis, url: 'rediss://user:idxPW1@a:1,b:2/0'}\n"
+        "shared_load: {enabled: true, url: 'redis://:slPW2@h:1/0?password=qPW3&db=1'}\n"
+        "auth: {api_keys: [clientK4, clientK5], admin_key: admK6}\n"
+        "discovery: {api_key: discK7}\n"
+        "replicas:\n  - {id: r0, url: 'http://u:repPW8@127.0.0.1:9', models: [m], api_key: repK9}\n")
+    assert config_main(["show", str(cfg), "--no-env"]) == 0
+    out = capsys.readouterr().out
+    for secret in ("idxPW1", "slPW2", "qPW3", "clientK4", "clientK5", "admK6", "discK7", "repPW8", "repK9"):
+        assert secret not in out, secret
+    assert "url: rediss://user:***@a:1,b:2/0" in out  # what is not secret stays readable
+    assert "url: redis://:***@h:1/0?password=***&db=1" in out
+    assert "url: http://u:***@127.0.0.1:9" in out
+    assert "admin_key: '***'" in out and "api_keys: '***'" in out
