@@ -181,6 +181,17 @@ def test_vllm_hash_formula_fixed_tokens():
     assert vllm_block_digests(tokens, bs, parent=h1, start_block=1) == [h2]
 
 
+def test_vllm_hash_golden_values():
+    """Frozen values: computed once with an independent few-line implementation of the
+    issue's formula (hashlib + pickle only, Python 3.11, pickle protocol 5) and pasted here
+    as literals, so any change to the code's formula fails this test."""
+    assert NONE_HASH.hex() == "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
+    tokens = [(i * 7919) % 32000 for i in range(40)]
+    assert vllm_block_hashes(tokens, 16) == [14628313704954473368, 10653310882587869824]
+    assert vllm_block_hashes(list(range(32)), 16, cache_salt="s") == [12631044627581701367,
+                                                                     12258177460191399530]
+
+
 def test_vllm_extra_keys_salt_and_lora():
     assert vllm_extra_keys(0) is None
     assert vllm_extra_keys(0, cache_salt="s") == ("s",)
