@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from redis.crc import key_slot
 
@@ -52,6 +52,27 @@ def seed_urls(url: str) -> list[str]:
             netloc = f"{userinfo}@{h}" if userinfo else h
             out.append(urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment)))
     return out
+
+
+def cluster_client_kwargs(url: str, timeout_s: float) -> dict[str, Any]:
+    """Keyword arguments for redis-py's ``RedisCluster`` (``remove``/``clear``) from the index
+    URL: seed nodes as ``(host, port)``, the URL's (percent-decoded) user and password, and
+    TLS for ``rediss://`` (certificates verified, host name checked, as for the lean
+    connections of :mod:`router.index.resp`)."""
+    seeds = seed_urls(url)
+    if not seeds:
+        raise ValueError(f"no Redis Cluster seed in {url!r}")
+    first = urlsplit(seeds[0])
+    if first.scheme not in ("redis", "rediss"):
+        raise ValueError(f"unsupported Redis URL scheme {first.scheme!r} (redis:// or rediss://)")
+    return {
+        "startup_nodes": [(urlsplit(s).hostname or "127.0.0.1", urlsplit(s).port or 6379) for s in seeds],
+        "username": unquote(first.username) if first.username else None,
+        "password": unquote(first.password) if first.password is not None else None,
+        "ssl": first.scheme == "rediss",
+        "socket_timeout": max(1.0, timeout_s), "socket_connect_timeout": max(1.0, timeout_s),
+        "decode_responses": False,
+    }
 
 
 def _node_url(seed: str, host: str, port: int) -> str:
@@ -227,12 +248,9 @@ class RedisClusterIndex(RedisIndex):
         seeds = seed_urls(url)
         timeout_s = float(kw.get("timeout_s", 0.25))
         if "client" not in kw:
-            first = urlsplit(seeds[0])
-            nodes = [ClusterNode(urlsplit(s).hostname or "127.0.0.1", urlsplit(s).port or 6379) for s in seeds]
-            kw["client"] = RedisCluster(
-                startup_nodes=nodes, username=first.username, password=first.password,
-                socket_timeout=max(1.0, timeout_s), socket_connect_timeout=max(1.0, timeout_s),
-                retry=Retry(NoBackoff(), 1), decode_responses=False)
+            ckw = cluster_client_kwargs(url, timeout_s)
+            nodes = [ClusterNode(h, p) for h, p in ckw.pop("startup_nodes")]
+            kw["client"] = RedisCluster(startup_nodes=nodes, retry=Retry(NoBackoff(), 1), **ckw)
         super().__init__(seeds[0], **kw)
         self.nodes = ClusterConnections(url, timeout_s)
 
