@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -26,6 +27,28 @@ from router.exact_index import event_sources
 log = logging.getLogger("kvrouter.events")
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0 = any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvrouter events",
@@ -34,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set index.url=redis://127.0.0.1:6379/0 (repeatable)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint (default 127.0.0.1)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=port_number, default=None,
                    help="port of the Prometheus /metrics endpoint (default: none)")
-    p.add_argument("--replay-timeout", type=float, default=2.0,
+    p.add_argument("--replay-timeout", type=positive_float, default=2.0,
                    help="seconds to wait for each replay frame from an engine (default 2)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from router.core.hashing import block_hashes, seed_hash
@@ -81,3 +82,20 @@ def test_events_command_config_errors(tmp_path):
     cfg = write_config(tmp_path, base)
     r = subprocess.run(kvrouter_argv("events", "--config", cfg), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "kv_events.endpoint" in r.stderr
+
+
+def test_events_command_refuses_bad_numbers(tmp_path, capsys):
+    """A non-positive replay timeout (every replay would fail) or an impossible port is a usage
+    error: exit 2 naming the option, before anything starts."""
+    from router.events_cli import main
+
+    cfg = write_config(tmp_path, {"replicas": []})
+    for args, needle in ((["--replay-timeout", "-1"], "--replay-timeout: must be a positive number"),
+                         (["--replay-timeout=0"], "--replay-timeout: must be a positive number"),
+                         (["--replay-timeout", "nan"], "--replay-timeout: must be a positive number"),
+                         (["--replay-timeout", "soon"], "--replay-timeout: 'soon' is not a number"),
+                         (["--metrics-port", "70000"], "--metrics-port: must be a port number")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", cfg, *args])
+        assert exc.value.code == 2, args
+        assert needle in capsys.readouterr().err, args
