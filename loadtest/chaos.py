@@ -59,6 +59,7 @@ from loadtest.chaos_accounting import (  # noqa: F401  (re-exported: the pure pa
     render,
     scaled_requests,
     summarize,
+    verdict,
 )
 from loadtest.hitrate import ideal_infinite
 from loadtest.live import LiveOptions, build_body
@@ -462,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         print(render(s))
         if "soak" in s:
             print(f"router 0: {s['soak']['detail']}")
-    bad = s["lost"] or s["hung"] or (args.soak and not s.get("soak", {}).get("ok", True))
+    bad = verdict(s, args.soak)
+    for why in bad:
+        print(f"chaos: FAIL: {why}", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -108,6 +108,18 @@ def summarize(outs: list[Outcome], faults: list[Fault]) -> dict[str, Any]:
             "hit_rate": hit_rate(outs, -math.inf, math.inf), "faults": rows, "details": details}
 
 
+def verdict(s: dict[str, Any], soak: bool = False) -> list[str]:
+    """Why the run failed (empty: it passed). A lost or hung request, a request that failed
+    outside every fault window (a healthy fleet fails none: a bug), or, with ``--soak``,
+    RSS/fds that grew."""
+    bad = [f"{s[k]} {k} request(s)" for k in ("lost", "hung") if s[k]]
+    if s["failed_outside_faults"]:
+        bad.append(f"{s['failed_outside_faults']} request(s) failed outside the fault windows")
+    if soak and not s.get("soak", {}).get("ok", True):
+        bad.append(f"soak: resources grew ({s['soak'].get('detail', '')})")
+    return bad
+
+
 def _pct(v: float | None) -> str:
     return "   -  " if v is None else f"{v * 100:5.1f}%"
 

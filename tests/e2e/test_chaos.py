@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loadtest.chaos import Fault, Outcome, classify_stream, flat, summarize
+from loadtest.chaos import Fault, Outcome, classify_stream, flat, summarize, verdict
 from tests.support.services import ROOT
 
 OK_STREAM = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":10,' \
@@ -47,6 +47,18 @@ def test_summary_windows_and_soak_check():
     assert not flat([(t, 100, 50 + 20 * t) for t in range(9)])[0]
 
 
+def test_verdict_fails_on_a_failure_outside_the_fault_windows():
+    outs = [Outcome(0, 0, 1.0, 1.5, "completed"), Outcome(1, 0, 11.0, 11.5, "failed", "stream error event")]
+    faults = [Fault("f", 10.0, 20.0)]
+    assert verdict(summarize(outs, faults)) == []  # failed inside the window: expected
+    late = Outcome(2, 0, 30.0, 31.5, "failed", "stream error event")
+    assert verdict(summarize([*outs, late], faults)) == ["1 request(s) failed outside the fault windows"]
+    lost = Outcome(3, 1, 12.0, 12.1, "lost", "connection reset")
+    assert verdict(summarize([*outs, lost], faults)) == ["1 lost request(s)"]
+    s = {**summarize(outs, faults), "soak": {"ok": False, "detail": "RSS 10 -> 90 MiB"}}
+    assert verdict(s) == [] and verdict(s, soak=True) == ["soak: resources grew (RSS 10 -> 90 MiB)"]
+
+
 @pytest.mark.timeout(420)
 def test_make_chaos_short_run_loses_nothing():
     cmd = [sys.executable, "-m", "loadtest.chaos", "--requests", "600", "--rate", "40", "--concurrency", "16",
@@ -55,7 +67,8 @@ def test_make_chaos_short_run_loses_nothing():
     assert p.stdout, p.stderr[-3000:]
     s = json.loads(p.stdout)
     assert s["lost"] == 0 and s["hung"] == 0, json.dumps(s["details"])
-    assert p.returncode == 0
+    assert s["failed_outside_faults"] == 0, json.dumps(s["details"])
+    assert p.returncode == 0, p.stderr[-2000:]
     assert s["sent"] >= 600 and s["completed"] >= 0.9 * s["sent"]
     assert [f["fault"].split()[0] for f in s["faults"]] == ["kill", "kill", "SIGSTOP", "SIGTERM"]
     assert all(f["window_s"] > 0 for f in s["faults"])
