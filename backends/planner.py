@@ -324,6 +324,13 @@ def _verdict(inp: PlanInput, rl: Roofline) -> str:
     alt = next((d for d in smaller if _fits(replace(inp, weight_dtype=d))), None)
     if alt is not None:
         options.append(alt if options else f"{alt} on {inp.tensor_parallel} GPU(s)")
+    else:  # a smaller precision on fewer GPUs than the current one needs (or on some, if none fits)
+        fewer = [(tp, d) for d in smaller for tp in _tp_sizes(inp)
+                 if (more is None or tp < more) and _fits(replace(inp, weight_dtype=d, tensor_parallel=tp,
+                                                                  num_gpus=tp))]
+        if fewer:
+            tp, d = min(fewer, key=lambda x: (x[0], -WEIGHT_BYTES[x[1]]))
+            options.append(f"≥ {tp} GPUs at {d}")
     if inp.kv_dtype != "fp8" and rl.weights_fit and _fits(replace(inp, kv_dtype="fp8")):
         options.append("--kv-dtype fp8")
     if not options:
