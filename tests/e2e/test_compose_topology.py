@@ -189,11 +189,16 @@ async def test_compose_topology_serves_shares_placement_and_drains(tmp_path: Pat
             raw = await clients[0].completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
             placed[prompt] = raw.headers["x-kvrouter-replica"]
         assert len(set(placed.values())) >= 2, placed  # spread over the sims, not one by chance
-        await asyncio.sleep(1.0)  # router-1's index writes are batched off the request path
+        # router-1's index writes are batched off the request path: wait until they land
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin}"}) as s:
+            deadline = time.monotonic() + 20
             for prompt, replica in placed.items():
-                async with s.post(urls[1] + "/debug/route", json={"model": model, "prompt": prompt}) as r:
-                    d = await r.json()
+                while True:
+                    async with s.post(urls[1] + "/debug/route", json={"model": model, "prompt": prompt}) as r:
+                        d = await r.json()
+                    if d["matched_blocks"] > 0 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
                 assert d["replica"] == replica and d["matched_blocks"] > 0, (replica, d)
         for prompt, replica in list(placed.items())[:3]:
             raw = await clients[1].completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
