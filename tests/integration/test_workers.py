@@ -184,12 +184,16 @@ def test_serve_workers_restart_reload_and_drain(redis_server, sim_factory) -> No
                               "--set", "index.backend=redis", "--set", f"index.url={redis_server.url}",
                               "--set", "shared_load.namespace=wtest"),
                 ready_url=url + "/health").start()
+
+    def log() -> str:  # the whole log: Proc.log() keeps only its tail, and the counts below need all of it
+        return proc.log_path.read_text(errors="replace")
+
     try:
         assert all(_post(url) == 200 for _ in range(6))
         deadline = time.monotonic() + 20
-        while len(_pids(proc.log())) < 2 and time.monotonic() < deadline:
+        while len(_pids(log())) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        first = _pids(proc.log())
+        first = _pids(log())
         assert len(first) == 2 and all(_alive(p) for p in first)
         # both workers registered in the shared load accounting
         import redis as redis_sync
@@ -202,11 +206,11 @@ def test_serve_workers_restart_reload_and_drain(redis_server, sim_factory) -> No
 
         os.kill(first[0], signal.SIGKILL)  # a worker crashes: restarted on the same port
         deadline = time.monotonic() + 30
-        while len(_pids(proc.log())) < 3 and time.monotonic() < deadline:
+        while len(_pids(log())) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        pids = _pids(proc.log())
-        assert len(pids) == 3 and _alive(pids[2]) and not _alive(first[0]), proc.log()
-        assert "exited with -9; restarting" in proc.log()
+        pids = _pids(log())
+        assert len(pids) == 3 and _alive(pids[2]) and not _alive(first[0]), log()
+        assert "exited with -9; restarting" in log()
         deadline = time.monotonic() + 20
         ok = 0
         while ok < 6 and time.monotonic() < deadline:
@@ -224,14 +228,14 @@ def test_serve_workers_restart_reload_and_drain(redis_server, sim_factory) -> No
             time.sleep(0.1)
         assert members() == {first[1], pids[2]}
         deadline = time.monotonic() + 30  # the restarted worker is listening
-        while proc.log().count("kvrouter listening on") < 6 and time.monotonic() < deadline:
+        while log().count("kvrouter listening on") < 6 and time.monotonic() < deadline:
             time.sleep(0.1)
         proc.signal(signal.SIGHUP)  # forwarded: every worker reloads
         deadline = time.monotonic() + 20
-        while proc.log().count("config reload") < 2 and time.monotonic() < deadline:
+        while log().count("config reload") < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "SIGHUP: forwarding to 2 workers" in proc.log()
-        assert proc.log().count("config reload") >= 2, proc.log()
+        assert "SIGHUP: forwarding to 2 workers" in log()
+        assert log().count("config reload") >= 2, log()
         live = [p for p in pids if _alive(p)]
         assert proc.stop(timeout=30) == 0
         assert not any(_alive(p) for p in live)
