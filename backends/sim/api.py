@@ -60,6 +60,25 @@ def _token_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+def check_messages(msgs: Any) -> list[Mapping[str, Any]]:
+    """Validate chat ``messages`` as vLLM does: a non-empty list of objects, each with a string
+    ``role`` and a ``content`` that is a string, a list of content parts, or null (an
+    assistant message with tool calls); anything else is a 400 naming the message."""
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, Mapping) for m in msgs):
+        raise ApiError(400, "`messages` must be a non-empty list of message objects", "messages")
+    for i, m in enumerate(msgs):
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}]: `role` is required and must be a string", "messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(400, f"messages[{i}]: `content` must be a string or a list of content parts, "
+                                f"got {type(content).__name__}", "messages")
+        if isinstance(content, list) and not all(isinstance(part, Mapping | str) for part in content):
+            raise ApiError(400, f"messages[{i}]: each content part must be an object or a string", "messages")
+    return msgs
+
+
 def check_model(body: Mapping[str, Any], served: tuple[str, ...]) -> str:
     model = body.get("model")
     if model is None:
@@ -81,9 +100,7 @@ def parse_generation(body: Any, *, chat: bool, tok: SimTokenizer, served: tuple[
     model = check_model(body, served)
     prompts: list[list[int]]
     if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, Mapping) for m in msgs):
-            raise ApiError(400, "`messages` must be a non-empty list of message objects", "messages")
+        msgs = check_messages(body.get("messages"))
         add_gen = body.get("add_generation_prompt", True)
         prompts = [tok.encode(tok.render_chat(msgs, bool(add_gen)))]
     else:

@@ -95,8 +95,17 @@ def build_server(argv: list[str]) -> tuple[SimServer, argparse.Namespace]:
     """Parse ``argv`` and build the server (raises SystemExit on bad options)."""
     p = build_parser()
     args = p.parse_args(argv)
-    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
-        p.error("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive")
+    for flag, value, low in (("--num-blocks", args.num_blocks, 1), ("--block-size", args.block_size, 1),
+                             ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--tensor-parallel", args.tensor_parallel, 1), ("--max-model-len", args.max_model_len, 2),
+                             ("--default-max-tokens", args.default_max_tokens, 0), ("--port", args.port, 0)):
+        if value is not None and value < low:
+            p.error(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        p.error(f"--port must be <= 65535, got {args.port}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.time_scale < 0:
         p.error("--time-scale must be >= 0")
     if args.spec_tokens < 0 or not 0 <= args.spec_acceptance < 1:
@@ -154,7 +163,7 @@ def build_server(argv: list[str]) -> tuple[SimServer, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     server, args = build_server(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from aiohttp import web
+    from backends.sim.conn import serve
 
     try:
         import uvloop
@@ -168,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: {args.model} on {args.gpu} ({args.dtype}, kv {args.kv_dtype}): {cfg.num_blocks} blocks of "
           f"{cfg.block_size} tokens, max_model_len {cfg.max_model_len}, time scale {args.time_scale}; "
           f"http://{args.host}:{args.port}", flush=True)
-    web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,
-                handler_cancellation=True, loop=loop)
+    try:
+        loop.run_until_complete(serve(server.make_app(), args.host, args.port))
+    except OSError as e:  # e.g. the port is taken
+        print(f"{PROG}: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
     return 0
 
 

@@ -353,9 +353,7 @@ class SimServer:
             raise ApiError(400, "request body must be a JSON object")
         api.check_model(body, self.served)
         if "messages" in body:
-            msgs = body["messages"]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                raise ApiError(400, "`messages` must be a list of message objects", "messages")
+            msgs = api.check_messages(body["messages"])
             ids = self.tok.encode(self.tok.render_chat(msgs, bool(body.get("add_generation_prompt", True))))
         elif isinstance(body.get("prompt"), str):
             ids = self.tok.encode(body["prompt"])
