@@ -44,8 +44,9 @@ HOP_BY_HOP = frozenset({
     "expect",
 })
 # also not forwarded upstream: we ask the engine for identity encoding (so streams can be
-# cut on event boundaries) and handle client auth ourselves
-REQUEST_DROP = HOP_BY_HOP | {"accept-encoding"}
+# cut on event boundaries) and handle client auth ourselves; the body sent is always plain
+# (a compressed request body is decoded by the server: router/body_encoding.py)
+REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding"}
 
 _DONE = b"data: [DONE]\n\n"
 _TAIL = 8192  # bytes of a stream kept to read the final usage chunk

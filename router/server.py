@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
+from router.body_encoding import BodyEncodingError, decode_body
 from router.config import Config, ConfigError
 from router.conn import GuardedRunner
 from router.core.scheduler import default_registry
@@ -39,8 +40,10 @@ from router.proxy import (
     RequestContext,
     error_response,
 )
+from router.upstream import connection_named
 
 log = logging.getLogger("kvrouter.server")
+_DECODE_INLINE = 64 * 1024  # compressed bodies larger than this are decoded in a worker thread
 
 
 def build_prefix(config: Config, registry: CollectorRegistry, needs_prefix: bool) -> PrefixService:
@@ -137,21 +140,27 @@ class RouterState:
         return os.urandom(12).hex()
 
     def upstream_headers(self, request: web.Request, rid: str) -> dict[str, str]:
-        """The client's headers minus hop-by-hop ones (and its key when the router checks
-        keys), with the request id; header names that the router sets are canonicalised so a
+        """The client's headers minus hop-by-hop ones (the fixed list and any the client's
+        ``Connection`` header names) and its key when the router checks keys, with the
+        request id; header names that the router sets are canonicalised so a
         replica's own key replaces, never duplicates, the client's."""
         drop_auth = bool(self._keys)
         rid_l = self._rid_l
         out: dict[str, str] = {}
+        conn: list[str] | None = None
         for k, v in request.headers.items():
             lk = k.lower()
             if lk in REQUEST_DROP or lk == rid_l:
+                if lk == "connection" and v != "keep-alive" and v != "close":
+                    conn = [v] if conn is None else [*conn, v]
                 continue
             if lk == "authorization":
                 if not drop_auth:
                     out["Authorization"] = v
                 continue
             out[k] = v
+        if conn is not None and (named := connection_named(conn)):  # RFC 9110 §7.6.1: hop-by-hop too
+            out = {k: v for k, v in out.items() if k.lower() not in named}
         out[self.rid_header] = rid
         return out
 
@@ -242,6 +251,17 @@ async def _proxy_request(request: web.Request, st: RouterState, rid: str,
         st.metrics.reject("body_too_large")
         return _err(413, f"Request body too large (limit {st.max_body} bytes)", "invalid_request_error",
                     "body_too_large")
+    if hdrs.CONTENT_ENCODING in request.headers:  # decoded here, forwarded plain (router/body_encoding.py)
+        coding = ", ".join(request.headers.getall(hdrs.CONTENT_ENCODING))
+        try:
+            if len(body) > _DECODE_INLINE:  # big bodies are decoded off the event loop
+                body = await asyncio.to_thread(decode_body, body, coding, st.max_body)
+            else:
+                body = decode_body(body, coding, st.max_body)
+        except BodyEncodingError as exc:
+            st.metrics.reject(exc.code)
+            return _err(exc.status, exc.message, "invalid_request_error", exc.code,
+                        param="Content-Encoding" if exc.status != 413 else None)
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -341,6 +361,9 @@ async def handle_admin_add(request: web.Request) -> web.Response:
     except (ConfigError, ValueError) as exc:
         return _err(400, str(exc).replace("replicas[0].", ""), "invalid_request_error", "invalid_replica")
     await st.pool.check_one(rep)
+    replica_added = getattr(st.prefix, "replica_added", None)
+    if replica_added is not None:  # its kv_events, if any (docs/kv-events.md)
+        await replica_added(rc)
     return web.Response(status=201, body=orjson.dumps({"id": rc.id, "healthy": rep.state.healthy}),
                         content_type="application/json")
 
@@ -356,6 +379,17 @@ async def handle_admin_remove(request: web.Request) -> web.Response:
 
 
 async def handle_not_found(request: web.Request) -> web.Response:
+    """404, or 405 with ``Allow`` when the path exists for other methods (``GET /v1/completions``)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        match, methods = await resource.resolve(request)
+        if match is None:  # the catch-all (this handler) matches; the others only on the path
+            allowed |= methods
+    allowed.discard("*")
+    if allowed:
+        allow = ", ".join(sorted(allowed))
+        return _err(405, f"Method {request.method} not allowed for {request.path} (allowed: {allow})",
+                    "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
     return _err(404, f"No route for {request.method} {request.path}", "invalid_request_error", "not_found")
 
 
@@ -405,7 +439,9 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
 def runner_for(app: web.Application, config: Config) -> web.AppRunner:
     lim = config.limits
     # GuardedRunner: OpenAI-shaped protocol errors, connection cap, idle connections closed
+    # auto_decompress off: request Content-Encoding is decoded (bounded) by router.body_encoding
     return GuardedRunner(app, max_connections=lim.max_connections, on_refused=app[STATE].conn_refused.inc,
+                         auto_decompress=False,
                          keepalive_timeout=lim.client_idle_timeout_s,
                          handle_signals=False, access_log=None, handler_cancellation=True,
                          shutdown_timeout=config.lifecycle.shutdown_grace_s,

@@ -5,18 +5,22 @@ other byte of a body it accepts) to the engine untouched, and keeps its memory b
 The router (``cache_aware``, so every body is also tokenized and hashed) and a fake engine
 that records what it receives run in a background thread with their own event loop; the
 tests talk to them over real sockets. The hand-written cases are ``tests/data/bad_requests.jsonl``
-(``expect``: ``reject`` = a 4xx OpenAI error and nothing sent upstream; ``forward`` = the
-engine receives exactly the bytes sent).
+(``expect``: ``reject`` = a 4xx OpenAI error, with ``status``/``code`` when given, and nothing
+sent upstream; ``forward`` = the engine receives exactly the bytes sent; ``headers`` are sent
+with the body; ``encode``: gzip/deflate the body and send it with that ``Content-Encoding``,
+the engine must then receive the plain body and no ``Content-Encoding``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,13 +131,21 @@ def test_corpus(case: dict[str, Any], stack: Stack, client: httpx.Client) -> Non
         assert_error_shape(status, body)
         return
     body = bytes.fromhex(case["body_hex"]) if "body_hex" in case else case["body"].encode()
-    status, resp, seen = post_bytes(client, stack, body, case.get("path", "/v1/completions"))
+    headers = dict(case.get("headers", {}))
+    sent = body
+    if "encode" in case:
+        sent = gzip.compress(body) if case["encode"] == "gzip" else zlib.compress(body)
+        headers["Content-Encoding"] = case["encode"]
+    before = len(stack.engine.seen)
+    status, resp, seen = post_bytes(client, stack, sent, case.get("path", "/v1/completions"), headers=headers)
     if case["expect"] == "reject":
-        assert_error_shape(status, resp)
+        err = assert_error_shape(status, resp)
         assert seen is None
+        assert status == case.get("status", status) and err["code"] == case.get("code", err["code"])
     else:
         assert status == 200, resp[:300]
-        assert seen == body  # the engine got the very bytes the client sent
+        assert seen == body  # the engine got the very bytes the client sent (decoded when encoded)
+        assert "Content-Encoding" not in stack.engine.seen[before][1]
 
 
 def test_deep_nesting_and_huge_bodies(stack: Stack, client: httpx.Client) -> None:
@@ -154,6 +166,38 @@ def test_deep_nesting_and_huge_bodies(stack: Stack, client: httpx.Client) -> Non
     r = client.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert_error_shape(r.status_code, r.content)
+
+
+def _gzip_bomb(decoded_bytes: int) -> bytes:
+    """A gzip body of ``decoded_bytes`` bytes of JSON that compresses ~1000:1."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    parts = [z.compress(b'{"model": "fake-model", "prompt": "')]
+    block = b"a" * 2**20
+    parts.extend(z.compress(block) for _ in range(decoded_bytes // len(block)))
+    parts.append(z.compress(b'"}') + z.flush())
+    return b"".join(parts)
+
+
+def test_compressed_requests_cannot_open_the_breaker(stack: Stack, client: httpx.Client) -> None:
+    """Before the fix a gzip body went upstream still marked gzip, the engine answered 500 and
+    five such requests opened the replica's breaker: every caller then got 503."""
+    plain = b'{"model": "fake-model", "prompt": "gzip me"}'
+    for _ in range(8):
+        status, resp, seen = post_bytes(client, stack, gzip.compress(plain), headers={"Content-Encoding": "gzip"})
+        assert status == 200 and seen == plain, resp[:300]
+        status, resp, seen = post_bytes(client, stack, b"\x1f\x8b not gzip", headers={"Content-Encoding": "gzip"})
+        assert status == 400 and seen is None
+    assert stack.server.state.proxy.breakers.states().get("e0", "closed") == "closed"
+    status, resp, _ = post_bytes(client, stack, plain)
+    assert status == 200, resp[:300]
+
+
+def test_gzip_bomb_is_refused(stack: Stack, client: httpx.Client) -> None:
+    bomb = _gzip_bomb(64 * 2**20)  # 64 MiB once decoded (limit 4 MiB), ~64 KB on the wire
+    assert len(bomb) < 1 * 2**20
+    status, resp, seen = post_bytes(client, stack, bomb, headers={"Content-Encoding": "gzip"})
+    assert status == 413 and assert_error_shape(status, resp)["code"] == "body_too_large"
+    assert seen is None
 
 
 def test_ten_thousand_messages_pass_through(stack: Stack, client: httpx.Client) -> None:
@@ -244,6 +288,7 @@ def test_router_survived_and_memory_is_bounded(stack: Stack, tmp_path: Path) -> 
                                                           for i in range(10_000)]})
         big = b'{"model": "fake-model", "prompt": "' + b"a" * (50 * 2**20) + b'"}'
         deep = b'{"model": "fake-model", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        bomb = _gzip_bomb(1 << 30)  # 1 GiB once decoded: refused at the 16 MiB limit, memory bounded
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
             rss = []
             for _ in range(6):
@@ -251,6 +296,7 @@ def test_router_survived_and_memory_is_bounded(stack: Stack, tmp_path: Path) -> 
                 assert r.status_code == 200, r.text[:300]
                 assert c.post("/v1/completions", content=big).status_code == 413
                 assert c.post("/v1/completions", content=deep).status_code == 400
+                assert c.post("/v1/completions", content=bomb, headers={"Content-Encoding": "gzip"}).status_code == 413
                 rss.append(_status(pid, "VmRSS"))
             assert c.get("/health").status_code == 200
         peak = _status(pid, "VmHWM")
