@@ -11,7 +11,10 @@ Environment variables address keys with ``__`` between levels:
 ``KVROUTER_LISTEN__PORT=8001``, ``KVROUTER_POLICY__NAME=least_loaded``,
 ``KVROUTER_AUTH__API_KEYS=k1,k2``. Values are read as YAML scalars (so ``true``, ``3``,
 ``0.5`` and ``[a, b]`` work); a comma list is accepted where a list is expected.
-Pure: no I/O besides reading the file in :meth:`Config.from_file`.
+Pure: no I/O besides reading the file in :meth:`Config.from_file` and checking that a
+``models.<m>.tokenizer`` path exists. A bad value set by an environment variable is
+reported under the variable's name (``KVROUTER_UPSTREAM__MAX_RETRIES (upstream.max_retries):
+...``), with the variable in the error's ``source`` attribute.
 """
 
 from __future__ import annotations
@@ -75,14 +78,32 @@ def load_config(
 ) -> Config:
     """File (optional) < ``KVROUTER_`` env (pass ``os.environ``; None means none) < overrides."""
     data: dict[str, Any] = read_yaml(path) if path else {}
+    from_env: dict[str, str] = {}  # dotted key -> the env variable that set it
     for key, raw in sorted((env or {}).items()):
         if key.startswith(ENV_PREFIX) and "__" in key:
             dotted = ".".join(p.lower() for p in key[len(ENV_PREFIX):].split("__"))
             _set_path(data, dotted, _scalar(raw), source=key)
+            from_env[dotted] = key
     items = overrides.items() if isinstance(overrides, Mapping) else (_split_override(o) for o in overrides)
     for dotted, val in items:
         _set_path(data, dotted, _scalar(val) if isinstance(val, str) else val, source=dotted)
-    return Config.from_dict(data)
+        from_env.pop(dotted.strip(), None)
+    try:
+        return Config.from_dict(data)
+    except ConfigError as exc:
+        raise _blame_env(exc, from_env) from None
+
+
+def _blame_env(exc: ConfigError, from_env: Mapping[str, str]) -> ConfigError:
+    """``exc`` with its message naming the ``KVROUTER_...`` variable that set the bad key, if
+    one did (``source`` then holds the variable, so a caller does not blame the file)."""
+    for dotted, var in from_env.items():
+        if exc.key == dotted or exc.key.startswith((dotted + ".", dotted + "[")):
+            err = ConfigError(exc.key, exc.problem)  # .key stays the dotted key
+            err.args = (f"{var} ({exc.key}): {exc.problem}",)
+            err.source = var  # type: ignore[attr-defined]
+            return err
+    return exc
 
 
 def env_overrides() -> dict[str, str]:
@@ -243,6 +264,21 @@ def _path(v: Any, key: str) -> str:
     return v
 
 
+def _tokenizer(v: Any, key: str) -> str:
+    """``builtin``, ``backend``, or the path of a ``tokenizer.json`` or of a directory holding
+    one — checked now, so ``config check`` catches what ``serve`` would die on."""
+    spec: str = _str()(v, key)
+    if spec in ("builtin", "backend"):
+        return spec
+    p = Path(spec)
+    if p.is_file() or (p / "tokenizer.json").is_file():
+        return spec
+    if p.is_dir():
+        raise ConfigError(key, f"directory {spec!r} holds no tokenizer.json")
+    raise ConfigError(key, f"no such file or directory {spec!r} (builtin | backend | a tokenizer.json "
+                           "file or a directory holding one)")
+
+
 def _http_url(v: Any, key: str) -> str:
     if not isinstance(v, str):
         raise ConfigError(key, "must be http(s)://host:port")
@@ -271,7 +307,7 @@ def build_config(d: Mapping[str, Any]) -> Config:
     for name, m in _mapping(d.get("models"), "models").items():
         key = f"models.{name}"
         models[str(name)] = _section(ModelConfig, m, key,
-                                     {"tokenizer": _str(), "block_size": _int(1, 1 << 20)})
+                                     {"tokenizer": _tokenizer, "block_size": _int(1, 1 << 20)})
     index = _section(IndexConfig, d.get("index"), "index", {
         "backend": _str(choices=("memory", "redis")), "url": _str(optional=True),
         "namespace": _str(), "ttl_s": _num(positive=True), "capacity_blocks": _int(1),

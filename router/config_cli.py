@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _load(args)
     except ConfigError as exc:
-        print(f"{args.file}: invalid: {exc}", file=sys.stderr)
+        where = "environment" if getattr(exc, "source", None) else args.file  # a KVROUTER_* variable
+        print(f"{where}: invalid: {exc}", file=sys.stderr)
         return 1
     if args.cmd == "show":
         print(yaml.safe_dump(_masked(cfg.to_dict()), sort_keys=False), end="")

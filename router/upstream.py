@@ -37,6 +37,19 @@ _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 _NOT_FORWARDED = frozenset({"keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer", "trailers",
                             "upgrade", "date", "server"})
 _HIGH_WATER = 1 << 20  # pause reading from the engine beyond this much unread body
+_CONN_OPTIONS = frozenset({"", "close", "keep-alive"})  # Connection tokens that name no header
+
+
+def connection_named(values: Iterable[str]) -> set[str]:
+    """The header names (lower case) that ``Connection`` header values list as hop-by-hop
+    (RFC 9110 §7.6.1), besides ``close``/``keep-alive``; empty when there are none."""
+    named: set[str] = set()
+    for v in values:
+        for tok in v.split(","):
+            tok = tok.strip().lower()
+            if tok not in _CONN_OPTIONS:
+                named.add(tok)
+    return named
 
 
 class UpstreamError(Exception):
@@ -143,6 +156,7 @@ class _Conn(asyncio.Protocol):
         chunked = False
         keep_alive = status_line[7] == "1"  # HTTP/1.1 defaults to keep-alive
         content_type = ""
+        conn_values: list[str] = []
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if not sep:
@@ -169,6 +183,10 @@ class _Conn(asyncio.Protocol):
                     keep_alive = False
                 elif "keep-alive" in v:
                     keep_alive = True
+                if v != "close" and v != "keep-alive":
+                    conn_values.append(v)
+        if conn_values and (named := connection_named(conn_values)):  # headers it names are hop-by-hop
+            headers = [(n, v) for n, v in headers if n.lower() not in named]
         if status == 100:  # Expect: 100-continue is never sent, but be tolerant
             self.buf = bytearray(rest)
             if self.buf:
@@ -197,8 +215,8 @@ class Response:
     """An upstream response whose head has arrived; the body is read with read/readany.
 
     ``headers`` are the response's end-to-end headers, ready to forward: framing
-    (Content-Length, Transfer-Encoding, Connection), hop-by-hop ones, Date and Server
-    are left out."""
+    (Content-Length, Transfer-Encoding, Connection), hop-by-hop ones (including those the
+    ``Connection`` header names), Date and Server are left out."""
 
     __slots__ = ("conn", "status", "headers", "content_type", "_remaining", "_chunked", "_keep_alive",
                  "_chunks", "_size", "_done", "_error", "_waiter", "_cbuf", "_chunk_left", "_trailer",
