@@ -13,7 +13,9 @@ record (a plain dict, written as one JSONL line by the CLI):
 ``prompt_tokens_details.cached_tokens``, absent = 0).
 
 Prompts come from the trace's hash ids (:class:`~loadtest.traces.prompts.PromptBuilder`):
-ASCII text (block-exact with the byte tokenizer) or token-id prompts. When
+ASCII text (block-exact with the byte tokenizer) or token-id prompts; ``auto`` sends one
+token-id prompt first (:func:`accepts_token_ids`) and uses token ids if the target accepts
+it, text otherwise (always text for chat). When
 ``engine_metrics`` URLs are given, their ``/metrics`` are scraped before and after and the
 vLLM prefix-cache counters' deltas give a second, engine-side hit rate (``auto``: the
 replicas a kvrouter target lists at ``GET /admin/replicas``, which needs its admin key).
@@ -46,7 +48,7 @@ class LiveOptions:
     target: str
     model: str | None = None  # None: the first model of GET /v1/models
     endpoint: str = "completions"  # completions | chat
-    prompt_mode: str = "text"  # text | tokens (token-id prompts; completions only)
+    prompt_mode: str = "text"  # text | tokens (token-id prompts; completions only) | auto (probe)
     speed: float = 1.0
     max_concurrency: int = 256
     duration_s: float | None = None
@@ -62,8 +64,8 @@ class LiveOptions:
     def validate(self) -> None:
         if self.endpoint not in ("completions", "chat"):
             raise ValueError("endpoint must be 'completions' or 'chat'")
-        if self.prompt_mode not in ("text", "tokens"):
-            raise ValueError("prompt_mode must be 'text' or 'tokens'")
+        if self.prompt_mode not in ("text", "tokens", "auto"):
+            raise ValueError("prompt_mode must be 'text', 'tokens' or 'auto'")
         if self.prompt_mode == "tokens" and self.endpoint == "chat":
             raise ValueError("token-id prompts need the completions endpoint")
         if not self.speed > 0:
@@ -197,6 +199,24 @@ async def first_model(session: aiohttp.ClientSession, target: str, api_key: str 
     return str(models[0])
 
 
+PROBE_TOKEN_IDS = [1000, 1001, 1002, 1003]  # within any real vocabulary
+
+
+async def accepts_token_ids(session: aiohttp.ClientSession, target: str, model: str,
+                            api_key: str | None) -> bool:
+    """Whether ``target`` accepts a token-id ``prompt`` on ``/v1/completions`` (one request of
+    one output token; any non-200 answer or a transport error means no)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": PROBE_TOKEN_IDS, "max_tokens": 1, "temperature": 0.0}
+    try:
+        async with session.post(base_url(target) + "/v1/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=60)) as r:
+            await r.read()
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
 async def router_replicas(session: aiohttp.ClientSession, target: str, api_key: str | None) -> list[str]:
     """Replica URLs of a kvrouter target (``GET /admin/replicas``); [] when unavailable."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -246,6 +266,10 @@ async def replay_live(requests: Sequence[TraceRequest], opts: LiveOptions,
     conn = aiohttp.TCPConnector(limit=opts.max_concurrency + 4, force_close=False)
     async with aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20) as session:
         model = opts.model or await first_model(session, opts.target, opts.api_key)
+        if opts.prompt_mode == "auto":  # before the "before" scrape: the probe is not counted
+            tokens = opts.endpoint == "completions" and await accepts_token_ids(
+                session, opts.target, model, opts.api_key)
+            opts.prompt_mode = "tokens" if tokens else "text"
         if tuple(opts.engine_metrics) == ("auto",):  # ask a kvrouter target for its replicas
             opts.engine_metrics = tuple(await router_replicas(session, opts.target,
                                                               opts.admin_key or opts.api_key))
@@ -291,6 +315,7 @@ async def replay_live(requests: Sequence[TraceRequest], opts: LiveOptions,
         result.summary = summarize_records(records, wall)
         result.summary["model"] = model
         result.summary["speed"] = opts.speed
+        result.summary["prompt_mode"] = opts.prompt_mode
         if opts.engine_metrics:
             after = await scrape(session, opts.engine_metrics)
             result.summary.update(engine_summary(opts.engine_metrics, before, after))

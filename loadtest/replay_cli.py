@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=["auto", *FORMATS],
                    help="trace format (default: sniffed from the first record)")
     p.add_argument("--block-size", type=_positive(int), default=None,
-                   help="tokens per trace hash id (default: mooncake 512, bailian/openai 16)")
+                   help="tokens per trace hash id (default: mooncake: the file's block_size field, "
+                        "else 512; bailian/openai 16)")
     p.add_argument("--limit", type=_positive(int), default=None, help="replay only the first N requests")
     p.add_argument("--speed", type=_positive(float), default=1.0,
                    help="time scale: 10 sends the trace 10x faster (offline: arrivals compressed alike)")
@@ -67,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "default llama-3.1-8b)")
     live.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
                       help="API for prompts built from hash ids (OpenAI-body traces keep their own)")
-    live.add_argument("--prompt-mode", default="text", choices=["text", "tokens"],
-                      help="ASCII text (block-exact with the byte tokenizer) or token-id prompts")
+    live.add_argument("--prompt-mode", default="auto", choices=["auto", "text", "tokens"],
+                      help="auto: send one token-id prompt first and use token ids if the target accepts "
+                           "it, else text (chat: text); text: ASCII text (block-exact with the byte "
+                           "tokenizer); tokens: token-id prompts (default: %(default)s)")
     live.add_argument("--max-concurrency", type=_positive(int), default=256,
                       help="most requests in flight; a full window delays the next send")
     live.add_argument("--duration", type=_positive(float), default=None,
@@ -129,6 +132,8 @@ def _print_live(s: dict[str, Any]) -> None:
         print(f"  replica {rep}: {d['requests']:,} requests, {d['prompt_tokens']:,} prompt tokens, "
               f"{d['cached_tokens']:,} cached")
     print(f"load imbalance {s['load_imbalance']:.2f} (max/mean requests per replica)")
+    if s.get("prompt_mode"):
+        print(f"prompts        {s['prompt_mode']}")
     if s["errors"]:
         print(f"errors         {s['errors']}")
 

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="auto", choices=["auto", *FORMATS],
                    help="trace format (default: sniffed from the first record)")
     s.add_argument("--block-size", type=int, default=None,
-                   help="tokens per hash id (default: mooncake 512, bailian 16, openai 16)")
+                   help="tokens per hash id (default: mooncake: the file's block_size field, else 512; "
+                        "bailian 16, openai 16)")
     s.add_argument("--limit", type=int, default=None, help="read only the first N requests")
     s.add_argument("--capacity-blocks", type=_capacities, default=[],
                    help="pooled-LRU capacities in trace blocks, comma-separated")
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = dict(args.param)
             reqs = generate(args.kind, seed=args.seed, block_size=args.block_size, **kwargs)
             n = write_mooncake(reqs, args.out)
-            hint = "" if args.block_size == 512 else f"; read it with --block-size {args.block_size}"
-            print(f"wrote {n} requests to {args.out} (Mooncake JSONL, {args.block_size}-token blocks{hint})")
+            print(f"wrote {n} requests to {args.out} (Mooncake JSONL, {args.block_size}-token blocks, "
+                  "recorded in each line's block_size field)")
             return 0
         reqs = load_trace(args.file, args.format, args.block_size, args.limit)
         caps = list(args.capacity_blocks)

@@ -4,7 +4,9 @@ file's order; :func:`load_trace` sniffs the format from the first record.
 
 - **Mooncake** (kvcache-ai/Mooncake ``FAST25-release/traces``; read by aiperf, guidellm,
   vLLM's and SGLang's benchmarks): ``timestamp`` in ms, ``input_length``,
-  ``output_length``, ``hash_ids`` (one per ``block_size`` tokens, 512 by default).
+  ``output_length``, ``hash_ids`` (one per ``block_size`` tokens, 512 by default). An extra
+  ``block_size`` field (written by ``kvrouter trace generate``, ignored by other tools) gives
+  the file's block size; an explicit ``block_size`` argument overrides it.
 - **Bailian-style** (Alibaba Bailian / Qwen usage traces): ``chat_id``,
   ``parent_chat_id`` (-1 for a first turn), ``timestamp`` in seconds, ``input_length``,
   ``output_length``, ``hash_ids`` at 16 tokens a block; a conversation is the chain of
@@ -17,7 +19,8 @@ file's order; :func:`load_trace` sniffs the format from the first record.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,26 @@ from router.core import bytetok
 from router.core.hashing import block_hashes, seed_hash
 
 FORMATS = ("mooncake", "bailian", "openai")
+LENGTH_SLACK_HIGH = 1.5  # warn when input_length > this × len(hash_ids) × block_size ...
+LENGTH_SLACK_LOW = 0.5  # ... or < this × (len(hash_ids) - 1) × block_size (exact: in between)
+
+
+def length_mismatch(input_length: int, n_ids: int, block_size: int) -> bool:
+    """Whether ``n_ids`` hash ids of ``block_size`` tokens are far from ``input_length`` (a
+    trace read with the wrong block size). Exact traces have (n-1)·bs < input ≤ n·bs."""
+    return (input_length > LENGTH_SLACK_HIGH * n_ids * block_size
+            or input_length < LENGTH_SLACK_LOW * (n_ids - 1) * block_size)
+
+
+def check_lengths(requests: list[TraceRequest], source: str) -> str | None:
+    """One warning line when records' hash ids do not match their input lengths, else None."""
+    bad = [i for i, r in enumerate(requests) if length_mismatch(r.input_length, len(r.hash_ids), r.block_size)]
+    if not bad:
+        return None
+    r = requests[bad[0]]
+    return (f"warning: {len(bad)} of {len(requests)} requests of {source} have len(hash_ids) × block_size "
+            f"far from input_length (request {bad[0]}: {len(r.hash_ids)} ids × {r.block_size} tokens for "
+            f"{r.input_length} input tokens); is the block size right? (--block-size)")
 
 
 def _records(lines: Iterable[str], source: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -63,17 +86,24 @@ def _ids(obj: dict[str, Any], where: str) -> list[int]:
     return v
 
 
-def parse_mooncake(lines: Iterable[str], block_size: int = 512, source: str = "trace") -> list[TraceRequest]:
-    """Mooncake JSONL (``timestamp`` in ms)."""
+def parse_mooncake(lines: Iterable[str], block_size: int | None = None,
+                   source: str = "trace") -> list[TraceRequest]:
+    """Mooncake JSONL (``timestamp`` in ms). Block size: ``block_size`` if given, else the
+    record's own ``block_size`` field, else 512."""
     out = []
     for n, obj in _records(lines, source):
         where = f"{source}:{n}"
+        bs = block_size
+        if bs is None:
+            bs = _int(obj, "block_size", where, 512) if "block_size" in obj else 512
+            if bs < 1:
+                raise TraceFormatError(f"{where}: 'block_size' must be >= 1")
         out.append(TraceRequest(
             timestamp_s=_num(obj, "timestamp", where) / 1000.0,
             input_length=_int(obj, "input_length", where),
             output_length=_int(obj, "output_length", where, 0),
             hash_ids=_ids(obj, where),
-            block_size=block_size,
+            block_size=bs,
             session_id=str(obj["session_id"]) if "session_id" in obj else None,
         ))
     return out
@@ -165,9 +195,11 @@ def sniff(obj: dict[str, Any]) -> str:
 
 
 def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = None,
-               limit: int | None = None) -> list[TraceRequest]:
+               limit: int | None = None, warn: Callable[[str], None] | None = None) -> list[TraceRequest]:
     """Read a trace file (first ``limit`` records when given). ``block_size`` defaults to
-    the format's own (Mooncake 512, Bailian 16, OpenAI bodies 16)."""
+    the format's own (Mooncake: the records' ``block_size`` field, else 512; Bailian 16;
+    OpenAI bodies 16). When hash ids and input lengths disagree (:func:`check_lengths`),
+    ``warn`` gets one line (default: printed to stderr)."""
     path = Path(path)
     with path.open(encoding="utf-8") as f:
         lines = []
@@ -187,19 +219,23 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
             raise TraceFormatError(f"{path}:1: expected a JSON object")
         fmt = sniff(first)
     src = str(path)
-    if fmt == "mooncake":
-        return parse_mooncake(lines, block_size or 512, src)
-    if fmt == "bailian":
-        return parse_bailian(lines, block_size or 16, src)
+    if fmt in ("mooncake", "bailian"):
+        reqs = (parse_mooncake(lines, block_size, src) if fmt == "mooncake"
+                else parse_bailian(lines, block_size or 16, src))
+        msg = check_lengths(reqs, src)
+        if msg is not None:
+            (warn or (lambda m: print(m, file=sys.stderr)))(msg)
+        return reqs
     if fmt == "openai":
         return parse_openai(lines, block_size or 16, src)
     raise TraceFormatError(f"unknown format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
 def to_mooncake_line(r: TraceRequest) -> str:
-    """One request as a Mooncake JSONL line (timestamp in integer ms)."""
+    """One request as a Mooncake JSONL line (timestamp in integer ms), with the extra
+    ``block_size`` field that :func:`parse_mooncake` reads (other tools ignore it)."""
     return json.dumps({"timestamp": int(round(r.timestamp_s * 1000)), "input_length": r.input_length,
-                       "output_length": r.output_length, "hash_ids": r.hash_ids})
+                       "output_length": r.output_length, "hash_ids": r.hash_ids, "block_size": r.block_size})
 
 
 def write_mooncake(requests: Iterable[TraceRequest], path: str | Path) -> int:
