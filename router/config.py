@@ -311,7 +311,7 @@ def build_config(d: Mapping[str, Any]) -> Config:
     index = _section(IndexConfig, d.get("index"), "index", {
         "backend": _str(choices=("memory", "redis")), "url": _str(optional=True),
         "namespace": _str(), "ttl_s": _num(positive=True), "capacity_blocks": _int(1),
-        "cluster": _bool})
+        "cluster": _bool, "approx_ttl_s": _num(positive=True)})
     if index.backend == "redis" and not index.url:
         raise ConfigError("index.url", "required when index.backend is redis")
     reps_raw = d.get("replicas") or []

@@ -49,6 +49,7 @@ class IndexConfig:
     ttl_s: float = 3600.0
     capacity_blocks: int = 100_000
     cluster: bool = False  # url names Redis Cluster seed node(s) (router/index/cluster.py)
+    approx_ttl_s: float = 30.0  # exact tracking: how long a router record waits for the engine's event
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,12 @@ class _Replica:
     removed: bool = False
 
 
+def _check_topics(endpoint: str, sources: list[EventSource]) -> None:
+    topics = [s.topic for s in sources]
+    if len(sources) > 1 and ("" in topics or len(set(topics)) != len(topics)):
+        raise ValueError(f"replicas sharing {endpoint} need distinct non-empty topics")
+
+
 class EventSubscriber:
     """Follows the KV events of many engines and writes them to ``index``."""
 
@@ -126,6 +132,8 @@ class EventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.clock = clock
         self.metrics = EventMetrics(registry or CollectorRegistry())
+        self._mediums = tuple(mediums)
+        self._queue_size = queue_size
         self._replicas: dict[str, _Replica] = {}
         for s in sources:
             if s.replica in self._replicas:
@@ -138,6 +146,10 @@ class EventSubscriber:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: list[zmq.asyncio.Socket] = []
+        # started sockets by (endpoint, binds): SUB socket, topic -> replica, its two tasks
+        self._open: dict[tuple[str, bool], tuple[zmq.asyncio.Socket, zmq.asyncio.Socket,
+                                                 dict[str, _Replica], list[asyncio.Task[None]]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
         self._last_log = 0.0
         # (replica, router hashes, engine batch ts) -> the hashes to really remove; set by
         # router.exact_index.ExactAwareIndex to skip evictions older than its own records.
@@ -148,46 +160,142 @@ class EventSubscriber:
         for r in self._replicas.values():
             groups.setdefault((r.source.endpoint, r.source.binds), []).append(r)
         for (ep, _), reps in groups.items():
-            topics = [r.source.topic for r in reps]
-            if len(reps) > 1 and ("" in topics or len(set(topics)) != len(topics)):
-                raise ValueError(f"replicas sharing {ep} need distinct non-empty topics")
+            _check_topics(ep, [r.source for r in reps])
         return groups
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        for (endpoint, binds), reps in self._groups.items():
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            for r in reps:
-                sock.setsockopt(zmq.SUBSCRIBE, r.source.topic.encode())
-            if binds:
-                sock.bind(endpoint)
-            else:
-                sock.connect(endpoint)
-            self._sockets.append(sock)
-            by_topic = {r.source.topic: r for r in reps}
-            self._tasks.append(asyncio.create_task(self._receive(sock, by_topic)))
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
-            self._sockets.append(mon)
-            self._tasks.append(asyncio.create_task(self._watch(mon, reps)))
+        for key, reps in self._groups.items():
+            self._open_group(key, reps)
         for r in self._replicas.values():
-            self._tasks.append(asyncio.create_task(self._work(r)))
+            self._workers[r.source.replica] = asyncio.create_task(self._work(r))
+            # rebuild from the replay buffer now: the socket monitor's first "connected" may
+            # fire before the monitor is attached, and an idle engine sends nothing
+            r.queue.put_nowait((_PROBE, b""))
+
+    def _open_group(self, key: tuple[str, bool], reps: list[_Replica]) -> None:
+        assert self._ctx is not None
+        endpoint, binds = key
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        for r in reps:
+            sock.setsockopt(zmq.SUBSCRIBE, r.source.topic.encode())
+        if binds:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+        by_topic = {r.source.topic: r for r in reps}
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+        tasks = [asyncio.create_task(self._receive(sock, by_topic)), asyncio.create_task(self._watch(mon, reps))]
+        self._sockets += [sock, mon]
+        self._open[key] = (sock, mon, by_topic, tasks)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [t for *_, ts in self._open.values() for t in ts] + list(self._workers.values()) + self._tasks
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        self._open = {}
+        self._workers = {}
         for s in reversed(self._sockets):
             s.close(0)
         self._sockets = []
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    # -- sources added and dropped while running (config reload) -----------------------
+    def source(self, replica: str) -> EventSource | None:
+        r = self._replicas.get(replica)
+        return r.source if r is not None else None
+
+    async def add_source(self, s: EventSource) -> None:
+        """Follow ``s`` from now on (config reload). A replica already followed from the same
+        source is kept as is (or followed again after ``remove_replica``); a changed source
+        replaces the old one. The new source starts like the router does: the replica is
+        cleared and rebuilt from the engine's replay buffer."""
+        old = self._replicas.get(s.replica)
+        if old is not None and old.source == s:
+            if old.removed:
+                old.removed = False
+                await self._restart(old)
+            return
+        key = (s.endpoint, s.binds)
+        group = self._groups.get(key, [])
+        _check_topics(s.endpoint, [r.source for r in group if r.source.replica != s.replica] + [s])
+        if old is not None:
+            await self.drop_source(s.replica)
+            group = self._groups.get(key, [])
+        r = _Replica(s, ReplicaTracker(s.replica, s.model, s.block_size, mediums=self._mediums),
+                     asyncio.Queue(self._queue_size))
+        self._replicas[s.replica] = r
+        group.append(r)
+        self._groups[key] = group
+        if self._ctx is None:  # not started: start() opens it
+            return
+        opened = self._open.get(key)
+        if opened is None:
+            self._open_group(key, group)
+        else:
+            sock, _, by_topic, _ = opened
+            sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+            by_topic[s.topic] = r
+        self._workers[s.replica] = asyncio.create_task(self._work(r))
+        await self._restart(r)
+
+    async def _restart(self, r: _Replica) -> None:
+        """Start over for ``r``: clear it now; its next message (or the probe) rebuilds it
+        from the engine's replay buffer."""
+        await self._clear(r, "start")
+        r.seq = SeqTracker()
+        r.replayed = (1, 0)
+        r.last_payload = None
+        r.suspect = True
+        await r.queue.put((_PROBE, b""))
+
+    async def drop_source(self, replica: str) -> None:
+        """Stop following ``replica`` for good (its ``kv_events`` left the config): clear its
+        entries, unsubscribe, close the socket when no other replica shares it."""
+        r = self._replicas.pop(replica, None)
+        if r is None:
+            return
+        r.removed = True
+        await self._clear(r, "removed")
+        key = (r.source.endpoint, r.source.binds)
+        group = self._groups.get(key, [])
+        if r in group:
+            group.remove(r)
+        task = self._workers.pop(replica, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        opened = self._open.get(key)
+        if opened is None:
+            if not group:
+                self._groups.pop(key, None)
+            return
+        sock, mon, by_topic, tasks = opened
+        by_topic.pop(r.source.topic, None)
+        if group:
+            if r.source.topic not in {x.source.topic for x in group}:
+                sock.setsockopt(zmq.UNSUBSCRIBE, r.source.topic.encode())
+            return
+        self._groups.pop(key, None)
+        del self._open[key]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for sk in (mon, sock):
+            sk.close(0)
+            self._sockets.remove(sk)
 
     # -- public controls --------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -230,13 +338,13 @@ class EventSubscriber:
 
     # -- receiving --------------------------------------------------------------------
     async def _receive(self, sock: zmq.asyncio.Socket, by_topic: dict[str, _Replica]) -> None:
-        single = next(iter(by_topic.values())) if len(by_topic) == 1 else None
         while True:
             frames = await sock.recv_multipart()
             topic = frames[0].decode("utf-8", "replace") if frames else ""
             r = by_topic.get(topic)
-            if r is None and single is not None and single.source.topic == "":
-                r = single
+            if r is None and len(by_topic) == 1:  # one engine on the socket, topic "": any topic
+                single = next(iter(by_topic.values()))
+                r = single if single.source.topic == "" else None
             if r is None:
                 continue
             if r.removed:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from router.config import ConfigError, load_config
 from router.events import EventSubscriber
-from router.exact_index import event_sources
+from router.exact_index import event_sources, exact_capacity
 
 log = logging.getLogger("kvrouter.events")
 
@@ -76,7 +76,9 @@ async def run(config_path: str, overrides: list[str], *, metrics_host: str, metr
     if cfg.index.backend != "redis" or not cfg.index.url:
         raise ConfigError("index.backend", "kvrouter events writes to a shared index: set index.backend: redis "
                                            "and index.url")
-    caps = {r.id: r.capacity_blocks for r in cfg.replicas if r.capacity_blocks}
+    # followed replicas: the engine's evictions come as events; the bound is a backstop
+    caps = {r.id: exact_capacity(r.capacity_blocks, cfg.index.capacity_blocks)
+            for r in cfg.replicas if r.capacity_blocks}
     index_cls: type[RedisIndex] = RedisIndex
     if cfg.index.cluster:  # Redis Cluster (router/index/cluster.py)
         from router.index.cluster import RedisClusterIndex

@@ -121,6 +121,9 @@ async def apply_config(st: RouterState, new: Config) -> ReloadPlan:
     if plan.membership:
         added, removed = await st.discovery.apply(st.config)
         log.info("config reload: replicas added %s, removed %s", added, removed)
+        apply_events = getattr(st.prefix, "apply_events", None)
+        if apply_events is not None:  # replicas' kv_events (docs/kv-events.md)
+            await apply_events(st.config)
     st.configured_models = st.config.model_names()
     for section in plan.restart_only:
         log.warning("config reload: section %r changed; it takes effect on restart only", section)

@@ -10,7 +10,10 @@ Implements the ``PrefixService`` protocol the proxy calls (see ``router/proxy.py
 * ``lookup(req)``: replica → matched blocks from the index (``{}`` when it is down).
 * ``record(req, replica)``: queues the placement (non-blocking; Redis writes are batched).
 * ``observe(req, decision, cached_tokens)``: predicted vs engine-measured cached tokens.
-* ``replica_removed(replica)``: clears the replica's entries.
+* ``replica_removed(replica)``: clears the replica's entries (ejected, or left the pool;
+  a replica that left the pool is no longer followed through its KV events).
+* ``apply_events(config)``: a reloaded config's ``replicas[].kv_events`` (sources added,
+  changed, dropped; see ``docs/kv-events.md``).
 
 The index is ``index.backend`` (``memory`` | ``redis``) from the config; per-replica
 capacities come from ``replicas[].capacity_blocks`` (else ``index.capacity_blocks``).
@@ -20,13 +23,14 @@ Metrics (on the router's registry) are listed in ``docs/routing.md``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.config import Config
+from router.config import Config, ReplicaConfig
 from router.core.hashing import block_hashes, seed_hash
 from router.core.types import Decision, ReplicaState, RoutingRequest
 from router.index.base import IndexEvents
@@ -114,6 +118,9 @@ class PrefixService:
         self.config = config
         self.metrics = PrefixMetrics(registry)
         self.index = index if index is not None else build_index(config, self.metrics)
+        self._registry = registry
+        self._own_index = index is None
+        self.events: Any = None
         if index is None:  # replicas with kv_events: exact tracking (docs/kv-events.md)
             from router.exact_index import attach_events
             self.index, self.events = attach_events(config, self.index, registry)
@@ -254,12 +261,45 @@ class PrefixService:
             mt.child(mt.measured_hist, model).observe(cached_tokens)
 
     def replica_removed(self, replica: str) -> None:
-        try:
-            task = asyncio.get_running_loop().create_task(self.index.clear(replica))
+        left = self._states is not None and all(st.id != replica for st in self._states())
+        forget = getattr(self.index, "remove_replica", None) if left else None
+        try:  # left the pool: stop following its events too (they would rebuild its entries)
+            task = asyncio.get_running_loop().create_task(
+                forget(replica) if forget is not None else self.index.clear(replica))
         except RuntimeError:
             return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def replica_added(self, rc: ReplicaConfig) -> None:
+        """A replica joined through the admin API: follow its KV events if it has ``kv_events``."""
+        if rc.kv_events is None:
+            return
+        from router.exact_index import ExactAwareIndex, event_sources
+
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)  # a removal of the same id first
+        cfg = dataclasses.replace(self.config, replicas=(rc,))
+        if isinstance(self.index, ExactAwareIndex):
+            await self.index.follow(event_sources(cfg)[0])
+        else:
+            await self.apply_events(cfg)
+
+    async def apply_events(self, config: Config) -> None:
+        """Config reload: follow the KV events of the replicas whose ``kv_events`` appeared
+        or changed, stop following those whose ``kv_events`` (or replica) went away."""
+        from router.exact_index import ExactAwareIndex, attach_events, event_sources
+
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)  # removals first
+        if isinstance(self.index, ExactAwareIndex):
+            added, dropped = await self.index.sync_sources(event_sources(config))
+            if added or dropped:
+                log.info("kv events: now following %s, stopped %s", added, dropped)
+        elif self._own_index and event_sources(config):
+            self.index, self.events = attach_events(config, self.index, self._registry)
+            for rid, cap in self._caps.items():
+                self.index.set_capacity(rid, cap)
+            await self.index.start()
+            log.info("kv events: now following %s", self.events.replicas())
 
 
 def build_prefix_service(config: Config, registry: CollectorRegistry) -> PrefixService:
