@@ -26,12 +26,36 @@ from router.ratelimit import RateLimiter
 
 def breaker_outcome(status: int, retried: bool) -> bool | None:
     """An attempt's verdict for the breaker: False for a replica fault, True for a working
-    replica, None for neither (429 busy; 499 the client went away)."""
+    replica (a 4xx is the client's error: the engine works), None for neither (429 busy; 499
+    the client went away). See :func:`maybe_request_fault` for the 5xx answers whose verdict
+    waits for the request's end."""
     if status in (429, 499):
         return None
     if retried:
         return False
     return status < 500
+
+
+# 5xx answers an engine gives to a request it could not handle: the engine is up and answered,
+# and the cause may be the request itself (a "poison" request that crashes the handler)
+_MAYBE_REQUEST_FAULT = frozenset({500, 501, 505})
+
+
+def maybe_request_fault(status: int) -> bool:
+    """Is this engine answer one whose breaker verdict waits until the request ends
+    (:func:`deferred_outcome`)? Connect errors, timeouts, broken streams, 502/503/504 are
+    replica faults at once."""
+    return status in _MAYBE_REQUEST_FAULT
+
+
+def deferred_outcome(final_status: int) -> bool | None:
+    """The verdict for the replicas that answered this request with a
+    :func:`maybe_request_fault` status, once the request has ended with ``final_status``:
+    False (their fault) when another replica then served it (2xx/3xx); None otherwise: a
+    request that failed on every replica it was sent to (or that a replica called invalid, or
+    whose client went away) tells nothing about the replicas, so a client repeating a poison
+    request cannot open every breaker and take the pool down."""
+    return False if 200 <= final_status < 400 else None
 
 
 class _BreakerCollector(Collector):

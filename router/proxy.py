@@ -34,7 +34,7 @@ from router.config import Config
 from router.core.types import Decision, NoReplicaError, RoutingRequest
 from router.metrics import RouterMetrics
 from router.pool import Guard, Pool, Replica
-from router.protect import breaker_outcome, build_breakers
+from router.protect import breaker_outcome, build_breakers, deferred_outcome, maybe_request_fault
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamPool
 
 # never forwarded, in either direction (RFC 9110 §7.6.1 plus framing we recompute)
@@ -179,6 +179,18 @@ class Proxy:
         if self.needs_prefix:
             await self.prefix.annotate(ctx.path_qs, ctx.parsed, rreq)
             matches = await self.prefix.lookup(rreq)
+        deferred: list[str] = []  # replicas whose 5xx verdict waits for the request's end
+        try:
+            return await self._route_loop(request, ctx, rreq, matches, deferred)
+        finally:
+            if deferred:
+                verdict = deferred_outcome(ctx.status)
+                now = asyncio.get_running_loop().time()
+                for rid in deferred:
+                    self.breakers.finished(rid, verdict, now)
+
+    async def _route_loop(self, request: web.Request, ctx: RequestContext, rreq: RoutingRequest,
+                          matches: Mapping[str, int], deferred: list[str]) -> web.StreamResponse:
         last: _Retry | None = None
         while True:
             blocked = self.breakers.blocked(asyncio.get_running_loop().time())
@@ -201,13 +213,19 @@ class Proxy:
             guard = Guard(rep.state)
             self.breakers.started(rep.cfg.id, asyncio.get_running_loop().time())
             outcome: bool | None = None
+            defer = False
             try:
                 out = await self._attempt(request, ctx, rep, rreq, decision)
-                outcome = breaker_outcome(out.status if isinstance(out, _Retry) else ctx.status,
-                                          isinstance(out, _Retry))
+                retried = isinstance(out, _Retry)
+                outcome = breaker_outcome(out.status if retried else ctx.status, retried)
+                # an engine's 500 may be the request's fault: judged once the request ends
+                defer = isinstance(out, _Retry) and out.headers is not None and maybe_request_fault(out.status)
             finally:
                 guard.release()
-                self.breakers.finished(rep.cfg.id, outcome, asyncio.get_running_loop().time())
+                if defer:
+                    deferred.append(rep.cfg.id)
+                else:
+                    self.breakers.finished(rep.cfg.id, outcome, asyncio.get_running_loop().time())
             if self._on_finished is not None:
                 self._on_finished(rreq, rep.cfg.id, not isinstance(out, _Retry) and ctx.status < 500)
             if not isinstance(out, _Retry):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import orjson
+from aiohttp import web
 
 from router.breaker import CLOSED, HALF_OPEN, OPEN, Breakers, CircuitBreaker
-from router.protect import breaker_outcome
-from tests.integration.test_router import fleet, post, start_router
+from router.protect import breaker_outcome, deferred_outcome, maybe_request_fault
+from tests.integration.test_router import FakeEngine, fleet, post, start_router
 from tests.support.services import free_port
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 1}
@@ -72,6 +74,38 @@ def test_outcome_classification():
     assert breaker_outcome(502, True) is False
     assert breaker_outcome(429, True) is None
     assert breaker_outcome(499, False) is None
+    assert maybe_request_fault(500) and not maybe_request_fault(502) and not maybe_request_fault(504)
+    assert deferred_outcome(200) is False  # another replica served the request: the 500 was the replica's
+    assert deferred_outcome(500) is None and deferred_outcome(400) is None and deferred_outcome(0) is None
+
+
+class PoisonEngine(FakeEngine):
+    """Answers 500 to one prompt (a request that crashes the engine's handler), 200 otherwise."""
+
+    async def _answer(self, request: web.Request, req: dict[str, Any]) -> web.StreamResponse:
+        if req.get("prompt") == "poison":
+            return web.json_response({"error": {"message": "handler crashed", "type": "server_error",
+                                                "param": None, "code": 500}}, status=500)
+        return await super()._answer(request, req)
+
+
+async def test_a_poison_request_does_not_open_the_breakers():
+    """A request that every engine answers with 500 is the request's fault, not the replicas':
+    repeated, it must not open their breakers (before: 2 such requests opened all three and
+    every caller got 503)."""
+    engines = [await PoisonEngine(f"e{i}").start() for i in range(3)]
+    try:
+        async with start_router(engines, breaker=BREAKER, **QUIET) as router:
+            for _ in range(6):
+                status, _, body = await post(router.url + "/v1/completions", {**BODY, "prompt": "poison"})
+                assert status == 500 and b"handler crashed" in body
+            assert sum(len(e.seen) for e in engines) == 18  # each tried on all three (2 retries)
+            assert set(router.state.proxy.breakers.states().values()) <= {CLOSED}
+            served = await _served(router.url, 3)
+            assert set(served) == {"e0", "e1", "e2"}
+    finally:
+        for e in engines:
+            await e.stop()
 
 
 BREAKER = {"failure_threshold": 2, "open_s": 1.0, "success_threshold": 1}
