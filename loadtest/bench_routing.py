@@ -12,7 +12,8 @@ Prints, in one run (one process, loopback Redis started here, uvloop when instal
 
 ``--repeat K`` runs every row K times, interleaved, and prints medians with the CPU-ms range;
 ``--breakdown`` adds the BPE + Redis path measured stage by stage (render, + tokenize and
-hash, + lookup, + policy, + record).
+hash, + lookup, + policy, + record); ``--baseline-tokenize FILE`` adds rows tokenized by
+another version of ``router/tokenize.py``, interleaved, for a before/after in one run.
 
 Targets (issues 4 and 9): ≤ 0.4 CPU-ms per cache-aware chat request, ≤ 5 ms to hash
 131,072 tokens, ≤ 1 ms per 8,192-block lookup. Run: ``python -m loadtest.bench_routing``.
@@ -97,11 +98,26 @@ STAGES = ("render the chat template", "+ tokenize and hash (annotate)", "+ Redis
           "+ queue the record (and its batched write)")
 
 
-async def route_cost(cfg: Config, fresh: bool, n: int, replicas: int, stage: int = 4) -> tuple[float, float, int]:
+def load_module(path: str) -> Any:
+    """Another version of ``router/tokenize.py`` (e.g. ``git show REV:router/tokenize.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_tokenize", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def route_cost(cfg: Config, fresh: bool, n: int, replicas: int, stage: int = 4,
+                     tokenize_module: Any = None) -> tuple[float, float, int]:
     """CPU-ms and wall-ms per request of the cache-aware path; returns also the token count.
-    ``stage`` < 4 stops each request early (see ``STAGES``): the breakdown of the path."""
+    ``stage`` < 4 stops each request early (see ``STAGES``): the breakdown of the path.
+    ``tokenize_module``: tokenize with that module's ``load_tokenizer`` instead (A/B runs)."""
     svc = PrefixService(cfg, CollectorRegistry())
     await svc.start()
+    if tokenize_module is not None:
+        svc.model(MODEL).tok = tokenize_module.load_tokenizer(cfg.model(MODEL).tokenizer)
     policy = default_registry().create("cache_aware", {})
     states = [ReplicaState(id=f"r{i}", models=(MODEL,)) for i in range(replicas)]
     rng = random.Random(0)
@@ -190,7 +206,7 @@ async def lookup_cost(redis_url: str, blocks: int = 8192, replicas: int = 8, n: 
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from tests.support.services import RedisServer
+    from loadtest.procs import RedisServer
 
     redis = RedisServer().start() if not args.redis_url else None
     url = args.redis_url or redis.url  # type: ignore[union-attr]
@@ -203,12 +219,17 @@ async def main_async(args: argparse.Namespace) -> int:
                 ("BPE tokenizer.json, chat + new turn, memory", bpe, None, False),
                 ("BPE tokenizer.json, fresh 4k prompt, Redis", bpe, url, True),
             ]
+            alt = load_module(args.baseline_tokenize) if args.baseline_tokenize else None
+            if alt is not None:
+                cases.insert(2, ("  same, baseline tokenize.py", bpe, url, False))
+                cases.insert(1, ("  same, baseline tokenize.py", "builtin", url, False))
             runs: list[list[tuple[int, float, float]]] = [[] for _ in cases]
             stages: list[list[float]] = [[] for _ in STAGES]
             for _ in range(args.repeat):  # rows interleaved: a load change hits them all alike
                 for k, (_label, tok, backend, fresh) in enumerate(cases):
                     cpu, wall, ntok = await route_cost(make_config(tok, backend, args.replicas), fresh,
-                                                       args.requests, args.replicas)
+                                                       args.requests, args.replicas,
+                                                       tokenize_module=alt if "baseline" in _label else None)
                     runs[k].append((ntok, cpu, wall))
                 if args.breakdown:
                     for st in range(len(STAGES)):
@@ -242,10 +263,15 @@ async def main_async(args: argparse.Namespace) -> int:
             med = statistics.median(vals)
             print(f"  {name:<46} {med:>8.3f}  step {med - prev:+.3f}")
             prev = med
-    target = rows[1][2]
-    print(f"target: cache-aware 4k-token chat <= 0.4 CPU-ms: BPE {target:.3f} ms, builtin {rows[0][2]:.3f} ms -> "
-          f"{'OK' if max(target, rows[0][2]) <= 0.4 else 'MISSED'}; "
-          f"fresh/cached ratio {rows[3][2] / target:.1f}x")
+    by_label = {r[0]: r for r in rows}
+    builtin = rows[0][2]
+    target = by_label["BPE tokenizer.json, chat + new turn, Redis"][2]
+    print(f"target: cache-aware 4k-token chat <= 0.4 CPU-ms: BPE {target:.3f} ms, builtin {builtin:.3f} ms -> "
+          f"{'OK' if max(target, builtin) <= 0.4 else 'MISSED'}; "
+          f"fresh/cached ratio {by_label['BPE tokenizer.json, fresh 4k prompt, Redis'][2] / target:.1f}x")
+    if alt is not None:
+        print(f"baseline tokenize.py / this one (medians): builtin {rows[1][2] / builtin:.2f}x, "
+              f"BPE {rows[3][2] / target:.2f}x")
     print(f"hashing 131,072 tokens: {h:.2f} ms (target <= 5 ms) -> {'OK' if h <= 5 else 'MISSED'}")
     print(f"Redis lookup of 8,192 blocks, 8 replicas matching {sorted(found.values())}: {lk_wall:.3f} ms wall "
           f"(median), {lk_cpu:.3f} CPU-ms in the router (target <= 1 ms) -> {'OK' if lk_wall <= 1 else 'MISSED'}")
@@ -258,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--repeat", type=int, default=1, help="runs of every row, interleaved (median and range)")
     p.add_argument("--breakdown", action="store_true", help="also measure the BPE path stage by stage")
+    p.add_argument("--baseline-tokenize", default=None, metavar="FILE",
+                   help="another router/tokenize.py (git show REV:router/tokenize.py > FILE): adds rows routed "
+                        "with it, interleaved with this one's, for a before/after in one run")
     p.add_argument("--redis-url", default=None, help="an existing Redis (default: start one on a free port)")
     args = p.parse_args(argv)
     try:
