@@ -13,8 +13,11 @@ keys of one model live in one slot and one Lua script can reach them all)::
     <ns>:{<model>}:<R>:<bucket>   hash  8-byte block hash (little-endian) -> generation
 
 Bucketing: a block lives in bucket ``(low 24 bits of its hash) mod b:R``, with
-``b:R = ceil(capacity / 64)`` fixed at the replica's first record, so buckets hold ~64
-entries and Redis stores them as compact listpacks. Measured: ~15 bytes per (block,
+``b:R = ceil(capacity / 64)``, so buckets hold ~64 entries and Redis stores them as
+compact listpacks. A record carrying a capacity whose bucket count differs from ``b:R``
+(``set_capacity`` after the first record: an engine's capacity is scraped a few seconds
+after start) moves the replica's live entries to the new count first, in the same script
+(a one-off O(entries + old bucket count) pass; stale entries are dropped on the way). Measured: ~15 bytes per (block,
 replica) entry (``tests/contract/test_index_contract.py::test_redis_memory_per_entry``
 asserts ≤ 40 B), so 64 replicas × 100,000 blocks take ~100 MB (≤ 256 MB at the bound)
 instead of the ~1.3 GB of one key per block plus a per-replica sorted set.

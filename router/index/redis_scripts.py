@@ -80,13 +80,40 @@ local ttl = tonumber(ARGV[5])
 local maxgen = tonumber(ARGV[6])
 local target = tonumber(ARGV[7])
 local now = tonumber(redis.call('TIME')[1])
-local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep, 't:' .. rep)
+local st = redis.call('HMGET', meta, 'g:' .. rep, 'n:' .. rep, 'b:' .. rep, 'c:' .. rep, 't:' .. rep, 'w:' .. rep)
 local g = tonumber(st[1]) or 0
 local cnt = tonumber(st[2]) or 0
-local nb = tonumber(st[3]) or math.max(1, math.ceil(cap / target))
+local want = math.max(1, math.ceil(cap / target))
+local nb = tonumber(st[3]) or want
 local cur = tonumber(st[4]) or 0
 local t0 = tonumber(st[5]) or now
 local changed = st[1] == false
+if nb ~= want then
+  -- the capacity changed (known only after the first record): move the live entries to
+  -- the bucket count it calls for, once, so buckets keep ~target entries
+  local live = g - (tonumber(st[6]) or maxgen)
+  local moved = {}
+  for b = 0, nb - 1 do
+    local key = kp .. b
+    local all = redis.call('HGETALL', key)
+    if #all > 0 then
+      redis.call('DEL', key)
+      for j = 1, #all, 2 do
+        if tonumber(all[j + 1]) > live then
+          local h = all[j]
+          local b1, b2, b3 = string.byte(h, 1, 3)
+          local to = kp .. ((b1 + b2 * 256 + b3 * 65536) % want)
+          redis.call('HSET', to, h, all[j + 1])
+          moved[to] = true
+        end
+      end
+    end
+  end
+  for key in pairs(moved) do redis.call('PEXPIRE', key, ttl) end
+  nb = want
+  cur = 0
+  changed = true
+end
 if now - t0 >= ttl / 2000 then
   -- a generation lasts at most ttl/2: blocks in use are rewritten (and their TTL renewed)
   g = g + 1
