@@ -43,7 +43,9 @@ from router.proxy import (
 from router.upstream import connection_named
 
 log = logging.getLogger("kvrouter.server")
-_DECODE_INLINE = 64 * 1024  # compressed bodies larger than this are decoded in a worker thread
+# compressed bodies larger than this are decoded in a worker thread: deflate expands at most
+# ~1032:1, so an inline decode yields about 1 MiB at most (a few ms of the event loop)
+_DECODE_INLINE = 1024
 
 
 def build_prefix(config: Config, registry: CollectorRegistry, needs_prefix: bool) -> PrefixService:
