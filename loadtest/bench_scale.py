@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_backends([int(x) for x in args.serve_backends.split(",")])
         return 0
 
-    from tests.support.services import RedisServer
+    from loadtest.procs import RedisServer
 
     ports = [free_port() for _ in range(args.replicas)]
     backends_proc = spawn("backends", [sys.executable, "-m", "loadtest.bench_scale", "--serve-backends",

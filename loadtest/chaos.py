@@ -2,7 +2,7 @@
 engines while faults are injected, and account for every request.
 
 Everything runs on 127.0.0.1 and is started (and ended, by PID) by this script: a Redis
-(``tests.support.services.RedisServer`` on a free port), four ``kvrouter sim`` engines and
+(``loadtest.procs.RedisServer`` on a free port), four ``kvrouter sim`` engines and
 two ``kvrouter serve`` routers (``cache_aware`` policy, shared Redis index). A client sends
 the trace's requests (streaming completions) with bounded concurrency, alternating between
 the routers — like a load balancer it sends a request whose connection was *refused* (no
@@ -63,10 +63,9 @@ from loadtest.chaos_accounting import (  # noqa: F401  (re-exported: the pure pa
 )
 from loadtest.hitrate import ideal_infinite
 from loadtest.live import LiveOptions, build_body
+from loadtest.procs import ROOT, Proc, RedisServer, SimHandle, free_port, kvrouter_argv
 from loadtest.traces.formats import load_trace
 from loadtest.traces.prompts import PromptBuilder
-from tests.support.services import ROOT, Proc, RedisServer, free_port, kvrouter_argv
-from tests.support.sim import SimHandle
 
 DEFAULT_TRACE = ROOT / "tests" / "data" / "mooncake_conversation_head300.jsonl"
 MODEL = "llama-3.1-8b"

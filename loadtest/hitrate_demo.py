@@ -26,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.procs import start_sims, stop_sims
 from router.config import Config
 from router.server import Server
-from tests.support.sim import start_sims, stop_sims
 
 MODEL = "llama-3.1-8b"
 WORDS = ["cache", "block", "token", "router", "engine", "prefix", "tenant", "session", "prompt", "system",

