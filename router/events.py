@@ -180,12 +180,16 @@ class EventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        for r in reps:
-            sock.setsockopt(zmq.SUBSCRIBE, r.source.topic.encode())
-        if binds:
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
+        try:
+            for r in reps:
+                sock.setsockopt(zmq.SUBSCRIBE, r.source.topic.encode())
+            if binds:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         by_topic = {r.source.topic: r for r in reps}
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
         tasks = [asyncio.create_task(self._receive(sock, by_topic)), asyncio.create_task(self._watch(mon, reps))]
@@ -240,7 +244,19 @@ class EventSubscriber:
             return
         opened = self._open.get(key)
         if opened is None:
-            self._open_group(key, group)
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    self._open_group(key, group)
+                    break
+                except zmq.ZMQError as exc:  # a socket just closed on this endpoint lets go late
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        group.remove(r)
+                        del self._replicas[s.replica]
+                        if not group:
+                            del self._groups[key]
+                        raise
+                    await asyncio.sleep(0.05)
         else:
             sock, _, by_topic, _ = opened
             sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
@@ -288,6 +304,9 @@ class EventSubscriber:
             return
         self._groups.pop(key, None)
         del self._open[key]
+        if key[1]:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.unbind(key[0])
         for t in tasks:
             t.cancel()
         for t in tasks:
