@@ -359,7 +359,7 @@ class ModelTokenizer:
         return n, hashes
 
     def _advance(self, pieces: Sequence[str], start: _State | None, block_size: int, seed: int,
-                 pre: Ids = (), post: Ids = ()) -> tuple[int, list[int], list[_State]]:  # type: ignore[assignment]
+                 pre: Sequence[int] = (), post: Sequence[int] = ()) -> tuple[int, list[int], list[_State | None]]:
         """Tokens, all block hashes, and the state after each piece, of ``pieces`` following
         the state ``start`` (None: the text's beginning, after the ``pre`` special tokens)."""
         cache, digest = self.cache, xxhash.xxh3_64_intdigest
@@ -368,7 +368,7 @@ class ModelTokenizer:
         for piece in pieces:
             key = digest(piece.encode("utf-8", "surrogatepass"), key)
             keys.append(key)
-        states: list[_State] = [None] * len(pieces)  # type: ignore[list-item]
+        states: list[_State | None] = [None] * len(pieces)
         i = len(pieces)
         st: _State | None = start
         while i > 0:  # the longest cached prefix, searched from the end (usually 1–2 probes)
@@ -379,8 +379,9 @@ class ModelTokenizer:
             i -= 1
         back = st
         for j in range(i - 1, -1, -1):  # the cached states of the leading pieces
-            states[j] = back  # type: ignore[assignment]
-            back = back.parent  # type: ignore[union-attr]
+            assert back is not None
+            states[j] = back
+            back = back.parent
         if st is not None:
             hashes, n, tail = st.all_hashes(), st.n, st.tail
         else:
