@@ -32,196 +32,32 @@ case (tested), while a template gluing text to a message's end could differ at t
 Prompt forms: a string, a list of strings (the first is routed on), a list of token ids,
 or a list of lists of ids. Anything unreadable gives ``None`` (never raises): the request
 is then routed on load alone.
+
+Modules: this one keeps the caching :class:`ModelTokenizer` and :func:`load_tokenizer`; the
+builtin and ``tokenizers`` kinds with chat-template rendering are in
+:mod:`router.tokenize_kinds`, the ``backend`` kind in :mod:`router.tokenize_backend`, the
+text cuts in :mod:`router.tokenize_cuts`, the LRU and id helpers in
+:mod:`router.tokenize_util`; their names are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from router.core import bytetok
 from router.core.hashing import block_hashes
+from router.tokenize_backend import BackendTokenizer
+from router.tokenize_cuts import cuts_from as _cuts_from
+from router.tokenize_cuts import message_contents as _contents
+from router.tokenize_cuts import message_cuts, split_chunks
+from router.tokenize_kinds import BuiltinTokenizer, HFTokenizer, compile_chat_template, content_text
+from router.tokenize_util import LRU, Ids
+from router.tokenize_util import is_ids as _is_ids
 
-Ids = list[int]
-
-
-class LRU:
-    """A bounded least-recently-used map (keys → values); ``hits``/``misses`` counted."""
-
-    def __init__(self, size: int) -> None:
-        self.size = max(1, size)
-        self._d: OrderedDict[Any, Any] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: Any) -> Any:
-        v = self._d.get(key)
-        if v is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._d.move_to_end(key)
-        return v
-
-    def put(self, key: Any, value: Any) -> None:
-        self._d[key] = value
-        self._d.move_to_end(key)
-        if len(self._d) > self.size:
-            self._d.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-
-def split_chunks(text: str, chunk_chars: int) -> list[str]:
-    """Content-defined chunks: cut after the first newline followed by a non-space character
-    at or beyond ``chunk_chars`` characters since the last cut (hard cut at
-    ``4 × chunk_chars``). A newline before a word is a pre-token boundary of byte-level BPEs
-    (GPT-2 / Llama 3 split patterns), so such cuts do not change the ids."""
-    if chunk_chars <= 0 or len(text) <= chunk_chars:
-        return [text]
-    out = []
-    start, n, hard = 0, len(text), 4 * chunk_chars
-    while n - start > chunk_chars:
-        limit = min(n - 1, start + hard)
-        nl = text.find("\n", start + chunk_chars, limit)
-        while nl >= 0 and text[nl + 1] in " \t\r\n":
-            nl = text.find("\n", nl + 1, limit)
-        cut = nl + 1 if nl >= 0 else start + hard
-        if cut >= n:
-            break
-        out.append(text[start:cut])
-        start = cut
-    out.append(text[start:])
-    return out
-
-
-def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(type(t) is int for t in v)
-
-
-def content_text(content: Any) -> str:
-    return bytetok.content_text(content)
-
-
-class BuiltinTokenizer:
-    """The byte-level tokenizer (no files, no special tokens)."""
-
-    kind = "builtin"
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> Ids:
-        return bytetok.encode(text)
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-                    extra: Mapping[str, Any] | None = None) -> str:
-        return bytetok.render_chat(messages, add_generation_prompt)
-
-
-def _token_str(v: Any) -> str | None:
-    if isinstance(v, Mapping):
-        v = v.get("content")
-    return v if isinstance(v, str) else None
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(source: str) -> Any:
-    """A jinja2 template compiled the way ``transformers`` compiles chat templates."""
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
-def _load_template(directory: Path, config: Mapping[str, Any]) -> str | None:
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    json_file = directory / "chat_template.json"
-    if json_file.is_file():
-        t = json.loads(json_file.read_text()).get("chat_template")
-        if isinstance(t, str):
-            return t
-    t = config.get("chat_template")
-    if isinstance(t, list):
-        named = {e.get("name"): e.get("template") for e in t if isinstance(e, Mapping)}
-        t = named.get("default") or next(iter(named.values()), None)
-    return t if isinstance(t, str) else None
-
-
-class HFTokenizer:
-    """A ``tokenizers`` tokenizer from a ``tokenizer.json`` (+ chat template from its directory)."""
-
-    kind = "file"
-
-    def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer
-
-        p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self.tok = Tokenizer.from_file(str(file))
-        directory = file.parent
-        cfg_file = directory / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        self.special = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                        if (s := _token_str(cfg.get(k))) is not None}
-        source = _load_template(directory, cfg)
-        self.template = compile_chat_template(source) if source else None
-        # the template's globals, flattened once (jinja merges its ChainMap on every render)
-        self._globals = dict(self.template.globals) if self.template is not None else {}
-        if self.template is not None:
-            from jinja2.runtime import new_context
-
-            self._new_context = new_context
-        with_sp = self.tok.encode("a", add_special_tokens=True).ids
-        without = self.tok.encode("a", add_special_tokens=False).ids
-        k = len(without)
-        pos = next((i for i in range(len(with_sp) - k + 1) if with_sp[i:i + k] == without), 0)
-        self.special_prefix, self.special_suffix = with_sp[:pos], with_sp[pos + k:]
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> Ids:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-                    extra: Mapping[str, Any] | None = None) -> str:
-        if self.template is None:
-            return bytetok.render_chat(messages, add_generation_prompt)
-        msgs = messages
-        for m in messages:
-            c = m.get("content")
-            if c is not None and not isinstance(c, str):  # content parts → their text
-                msgs = [{**m, "content": content_text(m.get("content"))} if not isinstance(m.get("content"), str)
-                        and m.get("content") is not None else m for m in messages]
-                break
-        kw: dict[str, Any] = {**self.special, "tools": None, "documents": None}
-        kw.update(extra or {})
-        kw["messages"], kw["add_generation_prompt"] = msgs, add_generation_prompt
-        # what Template.render(**kw) does, minus merging the globals' ChainMap each time
-        t = self.template
-        ctx = self._new_context(t.environment, t.name, t.blocks, kw, False, self._globals)
-        return str(t.environment.concat(t.root_render_func(ctx)))  # type: ignore[attr-defined]
+__all__ = ["LRU", "BackendTokenizer", "BuiltinTokenizer", "HFTokenizer", "Ids", "ModelTokenizer",
+           "compile_chat_template", "content_text", "load_tokenizer", "message_cuts", "split_chunks"]
 
 
 class _State:
@@ -263,34 +99,6 @@ class _Mark:
 
 def _text_digest(text: str, end: int) -> int:
     return xxhash.xxh3_128_intdigest(text[:end].encode("utf-8", "surrogatepass"))
-
-
-def _contents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    out = [m.get("content") for m in messages]
-    if set(map(type, out)) != {str}:  # content parts (or none) → their text
-        out = [c if type(c) is str else content_text(c) for c in out]
-    return out
-
-
-def _cuts_from(text: str, contents: Sequence[str], first: int, pos: int) -> list[tuple[int, int]]:
-    """(message index, position right after its content) for ``contents[first:]``, found in
-    order from ``pos``; messages with empty or unfound content get no cut."""
-    cuts = []
-    for i in range(first, len(contents)):
-        c = contents[i]
-        if c:
-            j = text.find(c, pos, pos + len(c) + 1024)  # template glue between contents is short
-            if j < 0:
-                j = text.find(c, pos)
-            if j >= 0:
-                pos = j + len(c)
-                cuts.append((i, pos))
-    return cuts
-
-
-def message_cuts(text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Positions in a rendered chat right after each message's content (found in order)."""
-    return [c for _, c in _cuts_from(text, _contents(messages), 0, 0)]
 
 
 class ModelTokenizer:
@@ -500,60 +308,3 @@ def load_tokenizer(spec: str, cache_entries: int = 8192, chunk_chars: int = 1024
     if spec == "builtin":
         return ModelTokenizer(BuiltinTokenizer(), cache_entries, chunk_chars)
     return ModelTokenizer(HFTokenizer(spec), cache_entries, chunk_chars)
-
-
-class BackendTokenizer:
-    """``POST /tokenize`` on a replica (vLLM's API), answers cached in a bounded LRU."""
-
-    def __init__(self, urls: Sequence[str], api_key: str | None = None, timeout_s: float = 2.0,
-                 cache_entries: int = 4096) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.cache = LRU(cache_entries)
-        self.calls = 0
-        self.failures = 0
-        self._session: Any = None
-        self._next = 0
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def tokens(self, payload: Mapping[str, Any]) -> Ids | None:
-        import aiohttp
-        import orjson
-
-        try:
-            key = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
-        except TypeError:
-            return None
-        hit = self.cache.get(key)
-        if hit is not None:
-            return hit
-        if not self.urls:
-            return None
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        headers = {"content-type": "application/json"}
-        if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
-        for attempt in range(min(2, len(self.urls))):
-            url = self.urls[(self._next + attempt) % len(self.urls)]
-            self.calls += 1
-            try:
-                async with self._session.post(f"{url}/tokenize", data=key, headers=headers) as resp:
-                    if resp.status != 200:
-                        self.failures += 1
-                        continue
-                    data = await resp.json(loads=orjson.loads)
-                ids = data.get("tokens") if isinstance(data, Mapping) else None
-                if _is_ids(ids):
-                    self._next += 1
-                    self.cache.put(key, ids)
-                    return ids
-                self.failures += 1
-            except Exception:
-                self.failures += 1
-        return None
