@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint chaos clean
 
 install: $(STAMP)
 
@@ -26,6 +26,5 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: chaos
 chaos: install  ## faults under load: exits non-zero when a request is lost or hung (docs/reliability.md)
 	$(BIN)/python -m loadtest.chaos $(CHAOS_ARGS)
