@@ -18,10 +18,7 @@ router started without any) starts following.
 from __future__ import annotations
 
 import asyncio
-import json
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,7 +30,8 @@ from router.core.bytetok import encode
 from router.core.hashing import block_hashes, seed_hash
 from router.lifecycle import apply_config
 from router.server import Server
-from tests.support.sim import SimHandle, stop_sims
+from tests.support.kv_fleet import kv_event_fleet
+from tests.support.sim import SimHandle
 
 MODEL = "sim-model"
 ADMIN = "admin-key"
@@ -48,22 +46,7 @@ def prompt(i: int, n: int = 330) -> str:
 
 @pytest.fixture
 def fleet():
-    sims, kv = [], []
-    for enc in ("map", "array"):
-        d = Path(tempfile.mkdtemp(prefix="kvr-eq-ev-"))
-        ev = {"endpoint": f"ipc://{d}/pub", "replay_endpoint": f"ipc://{d}/replay", "topic": ""}
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "encoding": enc, **ev}
-        sims.append(SimHandle(model=MODEL, block_size=BS, num_blocks=ENGINE_BLOCKS,
-                              kv_events_config=json.dumps(cfg)))
-        kv.append(ev)
-    try:
-        for s in sims:
-            s.launch()
-        for s in sims:
-            s.wait_ready()
-        yield sims, kv
-    finally:
-        stop_sims(sims)
+    yield from kv_event_fleet(MODEL, BS, ENGINE_BLOCKS, "kvr-eq-ev-")
 
 
 def config(sims: list[SimHandle], kv: list[dict[str, Any] | None], index: dict[str, Any]) -> Config:
