@@ -143,7 +143,8 @@ class ReplicaWorkers:
         try:
             for op in ops:
                 if op.kind == "record":
-                    await self.index.record(op.model or r.source.model, op.hashes, rid)
+                    # stored: every block checked (a removal may have holed a current chain)
+                    await self.index.record(op.model or r.source.model, op.hashes, rid, stored=True)
                 elif op.kind == "remove":
                     hashes = op.hashes
                     if self.removal_filter is not None:

@@ -119,12 +119,12 @@ class ExactAwareIndex:
             return list(hashes)
         return [h for h in hashes if rec.get(h, float("-inf")) <= engine_ts]
 
-    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
-        self.inner.record_nowait(model, hashes, replica)
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
+        self.inner.record_nowait(model, hashes, replica, stored=stored)
         self._note(hashes, replica)
 
-    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None:
-        await self.inner.record(model, hashes, replica)
+    async def record(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
+        await self.inner.record(model, hashes, replica, stored=stored)
         self._note(hashes, replica)
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:

@@ -26,9 +26,11 @@ class IndexBackend(Protocol):
 
     async def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]: ...
 
-    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None: ...
+    async def record(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
+        """``stored``: the engine reports these blocks stored (a KV event): every one must be
+        held afterwards, even one a removal took out of the middle of a recorded chain."""
 
-    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
         """Queue a record from the request path (never blocks, never raises)."""
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None: ...

@@ -279,15 +279,15 @@ class RedisClusterIndex(RedisIndex):
         self._ok()
         return {raw[i].decode(): raw[i + 1] for i in range(0, len(raw), 2)}
 
-    async def _send_records(self, batch: list[tuple[str, bytes, str]]) -> None:
+    async def _send_records(self, batch: list[tuple[str, bytes, str, bool]]) -> None:
         """One pipeline per model (one slot each), all sent at once; new model names too."""
-        new_models = {m for m, _, _ in batch} - self._known_models
+        new_models = {m for m, _, _, _ in batch} - self._known_models
         by_model: dict[str, list[bytes]] = {}
-        for model, packed, replica in batch:
+        for model, packed, replica, every in batch:
             keys, prefix = self._keys(model)
             by_model.setdefault(model, []).append(encode_command((
                 b"EVALSHA", self._record_sha, b"1", keys[0], replica, packed, prefix,
-                self.capacity(replica), self.ttl_ms, GENERATIONS, BUCKET_TARGET)))
+                self.capacity(replica), self.ttl_ms, GENERATIONS, BUCKET_TARGET, b"1" if every else b"0")))
         models_key = f"{self.ns}:models"
         jobs = [self._send_slot(self._keys(m)[0][0], cmds) for m, cmds in by_model.items()]
         if new_models:

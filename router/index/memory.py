@@ -23,10 +23,10 @@ class MemoryIndex:
     async def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         return self.index.lookup(hashes, self._clock())
 
-    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
         self.index.record(hashes, replica, self._clock())
 
-    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None:
+    async def record(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
         self.index.record(hashes, replica, self._clock())
 
     async def remove(self, replica: str, hashes: Sequence[int]) -> None:

@@ -31,7 +31,10 @@ recorded generation drops first (LRU at 1/8-capacity granularity). A chain is wr
 tail-first, so heads are never older than tails and present blocks stay prefix-closed;
 the same argument makes "already in the current generation" prefix-closed, so a record
 finds what it must write with a binary search (≤ 1 + log2 n ``HGET``s: a repeated or
-growing prompt costs a few calls, not one per block). Stale entries are deleted by a sweep
+growing prompt costs a few calls, not one per block). A removal breaks that (an engine
+eviction can take blocks out of the middle of a chain whose tail is current), so a
+``stored=True`` record (blocks an engine's KV event reports stored) checks every block
+instead (one ``HGET`` each) and rewrites the holes; the router's own records keep the search. Stale entries are deleted by a sweep
 that visits ``nb × new / S`` buckets per record (a full pass per generation), so memory
 stays ≤ (w+1)/w × C entries. ``clear(R)`` is O(1): it advances ``g:R`` by ``w``
 (everything stale at once; the sweep deletes it later).
@@ -119,9 +122,10 @@ class RedisIndex:
         self._clear = self.client.register_script(CLEAR_LUA)
         self._prefix: dict[str, tuple[list[bytes], bytes]] = {}  # model -> ([meta key], key prefix)
         self._known_models: set[str] = set()
-        # (model, packed hashes, replica) in arrival order; a repeat within one batch window is
-        # written once (dict keys), so a hot prefix costs one script run per window
-        self._pending: dict[tuple[str, bytes, str], None] = {}
+        # (model, packed hashes, replica) in arrival order -> check every block (``stored``);
+        # a repeat within one batch window is written once (dict keys), so a hot prefix costs
+        # one script run per window
+        self._pending: dict[tuple[str, bytes, str], bool] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -229,20 +233,24 @@ class RedisIndex:
         return await timed(conn.call(*args), self.timeout_s)
 
     # -- writes -----------------------------------------------------------------------
-    def record_nowait(self, model: str, hashes: Sequence[int], replica: str) -> None:
-        """Queue a record for the background writer (never blocks, never raises)."""
+    def record_nowait(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
+        """Queue a record for the background writer (never blocks, never raises).
+        ``stored``: the engine reports these blocks stored (a KV event), so each one not in
+        the current generation is written, holes left by removals included; otherwise the
+        record script binary-searches the already-current prefix (see module doc)."""
         if not hashes:
             return
         if len(self._pending) >= self.max_pending:
             del self._pending[next(iter(self._pending))]
             self.dropped += 1
             self.events.error("record")
-        self._pending[(model, pack_hashes(hashes), replica)] = None
+        key = (model, pack_hashes(hashes), replica)
+        self._pending[key] = stored or self._pending.get(key, False)
         self._idle.clear()
         self._wake.set()
 
-    async def record(self, model: str, hashes: Sequence[int], replica: str) -> None:
-        self.record_nowait(model, hashes, replica)
+    async def record(self, model: str, hashes: Sequence[int], replica: str, *, stored: bool = False) -> None:
+        self.record_nowait(model, hashes, replica, stored=stored)
 
     async def flush(self) -> None:
         """Wait until every queued record was written (or dropped)."""
@@ -265,9 +273,8 @@ class RedisIndex:
         if not self._pending:
             return
         it = iter(self._pending)
-        batch = [next(it) for _ in range(min(self.batch_max, len(self._pending)))]
-        for item in batch:
-            del self._pending[item]
+        keys = [next(it) for _ in range(min(self.batch_max, len(self._pending)))]
+        batch = [(*k, self._pending.pop(k)) for k in keys]
         if not self._available():
             self.dropped += len(batch)
             self.events.error("record")
@@ -283,18 +290,19 @@ class RedisIndex:
             return
         self._ok()
 
-    async def _send_records(self, batch: list[tuple[str, bytes, str]]) -> None:
+    async def _send_records(self, batch: list[tuple[str, bytes, str, bool]]) -> None:
         """One pipelined write of every record script call (and new model names)."""
         conn = self._wconn
         if conn is None or conn.closed:
             conn = self._wconn = await RespConnection.open(self.url, self.timeout_s)
-        new_models = {m for m, _, _ in batch} - self._known_models
+        new_models = {m for m, _, _, _ in batch} - self._known_models
         cmds = [encode_command((b"SADD", f"{self.ns}:models", m)) for m in new_models]
         calls = []
-        for model, packed, replica in batch:
+        for model, packed, replica, every in batch:
             keys, prefix = self._keys(model)
             calls.append(encode_command((b"EVALSHA", self._record_sha, b"1", keys[0], replica, packed, prefix,
-                                         self.capacity(replica), self.ttl_ms, GENERATIONS, BUCKET_TARGET)))
+                                         self.capacity(replica), self.ttl_ms, GENERATIONS, BUCKET_TARGET,
+                                         b"1" if every else b"0")))
         async with asyncio.timeout(self.write_timeout_s):
             replies = await asyncio.gather(*conn.call_many(cmds + calls))
             retry = [c for c, r in zip(calls, replies[len(cmds):], strict=True)

@@ -124,6 +124,7 @@ end
 local w = math.max(1, math.min(maxgen, cap))
 local S = math.max(1, math.floor(cap / w))
 local n = #hs / 8
+local every = ARGV[8] == '1'
 local function key_of(i)
   local h = string.sub(hs, i * 8 - 7, i * 8)
   local b1, b2, b3 = string.byte(h, 1, 3)
@@ -136,8 +137,14 @@ local function current(i)
 end
 -- Blocks already in the current generation form a prefix of the chain (a chain is written
 -- tail-first, so a current block's whole prefix was written after it): find its end.
+-- Not after a removal: an engine eviction can leave a hole in the middle of a chain whose
+-- tail is current, and the search would skip it for good. So a record of blocks the
+-- engine reports stored (every = 1) checks each block; the router's own records (which
+-- re-record whole prompts, possibly thousands of blocks) keep the search.
 local done = 0
-if n > 0 and current(n) then
+if every then
+  done = -1
+elseif n > 0 and current(n) then
   done = n
 elseif n > 1 then
   local lo, hi = 0, n - 1
@@ -149,16 +156,22 @@ elseif n > 1 then
 end
 local touched = {}
 local new = 0
-for i = n, done + 1, -1 do
+for i = n, math.max(done, 0) + 1, -1 do
   local key, h = key_of(i)
-  if cnt >= S then
-    g = g + 1
-    cnt = 0
+  if done < 0 then
+    local v = redis.call('HGET', key, h)
+    if v and tonumber(v) == g then key = nil end
   end
-  redis.call('HSET', key, h, g)
-  cnt = cnt + 1
-  new = new + 1
-  touched[key] = true
+  if key then
+    if cnt >= S then
+      g = g + 1
+      cnt = 0
+    end
+    redis.call('HSET', key, h, g)
+    cnt = cnt + 1
+    new = new + 1
+    touched[key] = true
+  end
 end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
 local floor = g - w

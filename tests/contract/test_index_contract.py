@@ -105,6 +105,25 @@ async def test_remove_and_clear(make_index) -> None:
     assert await idx.lookup("m", a) == {"r0": 3, "r1": 2}
 
 
+async def test_rerecording_a_segment_restores_blocks_removed_from_its_middle(make_index) -> None:
+    # exact tracking: the router records a whole chain; the engine, before serving it,
+    # evicts a run of blocks (the removal applies: it is newer than the record); then it
+    # recomputes them and its BlockStored (a ``stored`` record) covers that run up to the
+    # chain's end, whose tail the router's record already wrote. Every block of it must be
+    # held again.
+    idx = await make_index()
+    a = chain(9, 20)
+    await idx.record("m", a, "r0")
+    await idx.flush()
+    await idx.remove("r0", a[9:14])
+    assert await idx.lookup("m", a[:10]) == {"r0": 9}
+    await idx.record("m", a[9:], "r0", stored=True)
+    await idx.flush()
+    assert await idx.lookup("m", a) == {"r0": 20}
+    for i in range(20):  # each block, not only what a prefix search probes
+        assert await idx.lookup("m", a[i:i + 1]) == {"r0": 1}, i
+
+
 async def test_capacity_evicts_least_recently_used(make_index) -> None:
     idx = await make_index(capacity=16)
     a, b, c = chain(5, 8), chain(6, 8), chain(7, 8)
