@@ -42,6 +42,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -246,6 +247,19 @@ def run_wrk(url: str, duration: float, connections: int) -> tuple[float, int, fl
     return float(m.group(1)), errs, ru.ru_utime + ru.ru_stime
 
 
+async def post_completion(s: Any, url: str, body: bytes) -> bool:
+    """POST one completion body on an aiohttp session and read the answer; True on a 200."""
+    import aiohttp
+
+    try:
+        async with s.post(url + "/v1/completions", data=body,
+                          headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
 async def run_aiohttp(url: str, duration: float, connections: int) -> tuple[float, int]:
     import aiohttp
 
@@ -256,14 +270,9 @@ async def run_aiohttp(url: str, duration: float, connections: int) -> tuple[floa
         async def worker() -> None:
             nonlocal done, errors
             while time.perf_counter() < end:
-                try:
-                    async with s.post(url + "/v1/completions", data=body,
-                                      headers={"Content-Type": "application/json"}) as r:
-                        await r.read()
-                        done += r.status == 200
-                        errors += r.status != 200
-                except aiohttp.ClientError:
-                    errors += 1
+                ok = await post_completion(s, url, body)
+                done += ok
+                errors += not ok
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(connections)))
         wall = time.perf_counter() - t0
@@ -331,14 +340,9 @@ async def replay(url: str, plan: list[tuple[float, float]]) -> tuple[int, int]:
         async def one(delay_ms: float) -> None:
             nonlocal done, errors
             body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "delay_ms": round(delay_ms, 2)})
-            try:
-                async with s.post(url + "/v1/completions", data=body,
-                                  headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    done += r.status == 200
-                    errors += r.status != 200
-            except aiohttp.ClientError:
-                errors += 1
+            ok = await post_completion(s, url, body)
+            done += ok
+            errors += not ok
 
         t0 = time.perf_counter()
         tasks = []
