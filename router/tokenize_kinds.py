@@ -110,6 +110,7 @@ class HFTokenizer:
             from jinja2.runtime import new_context
 
             self._new_context = new_context
+        self._fast = getattr(self.tok, "encode_batch_fast", None)  # tokenizers >= 0.21
         with_sp = self.tok.encode("a", add_special_tokens=True).ids
         without = self.tok.encode("a", add_special_tokens=False).ids
         k = len(without)
@@ -117,6 +118,9 @@ class HFTokenizer:
         self.special_prefix, self.special_suffix = with_sp[:pos], with_sp[pos + k:]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Ids:
+        fast = self._fast
+        if fast is not None:  # same ids, without computing offsets (~25 % less per call)
+            return fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
