@@ -1,17 +1,24 @@
 """Scaling benchmark: one router process vs two, side by side in one run.
 
-    python -m loadtest.bench_scale [--duration 8] [--connections 64] [--replay-seconds 20]
-                                   [--rate 60] [--service-ms 250] [--replicas 4]
+    python -m loadtest.bench_scale [--only throughput|balance] [--workload both|light|router-bound]
+                                   [--repeat 2] [--duration 8] [--connections 64] [--load wrk|aiohttp]
+                                   [--bound-index memory|redis] [--replay-seconds 20] [--rate 60]
+                                   [--service-ms 250] [--replicas 4]
 
-Part 1 — throughput, ``kvrouter serve --workers 1`` vs ``--workers 2`` (round_robin, request
-log off, shared Redis load accounting on) in front of cheap backends. The load generator is
+Part 1 — throughput, ``kvrouter serve --workers 1`` vs ``--workers 2``, run 1, 2, 1, 2, ...
+(``--repeat``) with the median ratio, for two workloads (``loadtest/bench_scale_load.py``):
+``light`` (round_robin, a fixed short prompt, Redis shared load on) and ``router-bound``
+(cache_aware, BPE tokenizer, a fresh ~2,700-token prompt per request). The load generator is
 kept from being the bottleneck by being **wrk** (C, epoll, keep-alive, one thread) in its own
-process: the table prints the CPU wrk used next to the routers' (a generator at < 100 % of
-one core while the router processes sit at ~100 % each is not what limits req/s). The
-backends are a raw asyncio protocol answering fixed bytes (~10× cheaper per request than the
-router) in one separate process. ``--load aiohttp`` uses this process instead when wrk is
-not installed (``apt-get install wrk``). Reported per row: req/s, router CPU-ms per request
-(all workers), router cores used, wrk cores used, and the req/s ratio.
+process, and the backends are a raw asyncio protocol answering fixed bytes in one separate
+process; the table prints the cores wrk, the backends and Redis used next to the routers'.
+In the light workload they cost about as much per request as the router, so on a 2-core
+machine they take the core a second worker needs; in the router-bound one they use < 0.1
+of a core, so the req/s ratio is the router's own scaling (target ≥ 1.8×, on a machine
+otherwise idle). ``--load aiohttp`` uses this process instead when wrk is not installed
+(``apt-get install wrk``). Per row: req/s, router CPU-ms per request (all workers), router
+cores, generator / backend / Redis cores, machine idle, errors, req/s ratio and req/s per
+router core.
 
 Part 2 — balance under one replay: the same seeded open-loop Poisson arrivals (``--rate``
 req/s for ``--replay-seconds``; each request asks the backend to hold it for an
@@ -35,18 +42,18 @@ import random
 import re
 import shutil
 import signal
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from loadtest.bench_proxy import Child, free_port, spawn
+from loadtest.bench_scale_load import WORKLOADS, Workload, post_completion, run_aiohttp, run_wrk
 
 ROOT = Path(__file__).resolve().parents[1]
 CLK = os.sysconf("SC_CLK_TCK")
@@ -184,7 +191,8 @@ def router_cpu(sup: Child) -> float:
     return proc_cpu(sup.proc.pid) + sum(proc_cpu(c) for c in children(sup.proc.pid))
 
 
-def start_router(workers: int, policy: str, backends: list[str], redis_url: str | None, ns: str) -> Child:
+def start_router(workers: int, policy: str, backends: list[str], redis_url: str | None, ns: str,
+                 config: Path | None = None) -> Child:
     port = free_port()
     argv = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", policy,
             "--no-request-log", "--log-level", "warning", "--workers", str(workers),
@@ -194,6 +202,8 @@ def start_router(workers: int, policy: str, backends: list[str], redis_url: str 
                  "--set", f"index.namespace={ns}", "--set", f"shared_load.namespace={ns}"]
         if workers == 1:
             argv += ["--set", "shared_load.enabled=true"]  # same per-process work as each of 2 workers
+    if config is not None:
+        argv += ["--config", str(config)]
     for b in backends:
         argv += ["--replica", f"{b}={MODEL}"]
     child = spawn(f"router-w{workers}", argv, f"http://127.0.0.1:{port}")
@@ -215,95 +225,87 @@ class TputRow:
     router_cores: float
     gen_cores: float
     backend_cores: float
+    redis_cores: float
     idle: float
     errors: int
 
 
-WRK_LUA = """
-wrk.method = "POST"
-wrk.body   = '{"model":"bench-model","prompt":"%s","max_tokens":1}'
-wrk.headers["Content-Type"] = "application/json"
-"""
-
-
-def run_wrk(url: str, duration: float, connections: int) -> tuple[float, int, float]:
-    """(req/s, non-2xx+socket errors, wrk CPU seconds) of one wrk run."""
-    script = Path(tempfile.mkstemp(prefix="bench-scale-", suffix=".lua")[1])
-    script.write_text(WRK_LUA % ("hello world " * 40))
-    proc = subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "-s", str(script),
-                             url + "/v1/completions"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    out = proc.stdout.read().decode()
-    _, _, ru = os.wait4(proc.pid, 0)
-    proc.returncode = 0
-    script.unlink()
-    m = re.search(r"Requests/sec:\s*([0-9.]+)", out)
-    if not m:
-        raise RuntimeError(f"wrk output not understood:\n{out}")
-    errs = sum(int(x) for x in re.findall(r"(?:Non-2xx or 3xx responses|connect|read|write|timeout)\s*:?\s*(\d+)",
-                                           out.split("Socket errors")[-1] if "Socket errors" in out else ""))
-    non2 = re.search(r"Non-2xx or 3xx responses:\s*(\d+)", out)
-    errs += int(non2.group(1)) if non2 else 0
-    return float(m.group(1)), errs, ru.ru_utime + ru.ru_stime
-
-
-async def post_completion(s: Any, url: str, body: bytes) -> bool:
-    """POST one completion body on an aiohttp session and read the answer; True on a 200."""
-    import aiohttp
-
+def throughput(workers: int, w: Workload, backends: list[str], redis_url: str | None, args: argparse.Namespace,
+               pids: tuple[int, int], config: Path | None) -> TputRow:
+    """One row: start ``workers`` router processes, warm up, then measure ``args.duration`` s of
+    closed-loop load; ``pids`` = (backends process, Redis server) for their CPU shares."""
+    router = start_router(workers, w.policy, backends, redis_url, f"scale-t{workers}-{w.name}", config)
     try:
-        async with s.post(url + "/v1/completions", data=body,
-                          headers={"Content-Type": "application/json"}) as r:
-            await r.read()
-            return r.status == 200
-    except aiohttp.ClientError:
-        return False
-
-
-async def run_aiohttp(url: str, duration: float, connections: int) -> tuple[float, int]:
-    import aiohttp
-
-    body = orjson.dumps({"model": MODEL, "prompt": "hello world " * 40, "max_tokens": 1})
-    done = errors = 0
-    end = time.perf_counter() + duration
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections)) as s:
-        async def worker() -> None:
-            nonlocal done, errors
-            while time.perf_counter() < end:
-                ok = await post_completion(s, url, body)
-                done += ok
-                errors += not ok
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(connections)))
-        wall = time.perf_counter() - t0
-    return done / wall, errors
-
-
-def throughput(workers: int, backends: list[str], redis_url: str | None, args: argparse.Namespace,
-               backend_pid: int) -> TputRow:
-    router = start_router(workers, "round_robin", backends, redis_url, f"scale-t{workers}")
-    try:
-        load = args.load
-        if load == "wrk":
-            run_wrk(router.url, 2.0, args.connections)  # warm-up
+        if args.load == "wrk":
+            run_wrk(router.url, 2.0, args.connections, w, seed=workers)  # warm-up
         else:
-            asyncio.run(run_aiohttp(router.url, 2.0, args.connections))
+            asyncio.run(run_aiohttp(router.url, 2.0, args.connections, w, seed=workers))
         c0, g0, t0 = router_cpu(router), os.times(), time.perf_counter()
-        b0, (i0, j0) = proc_cpu(backend_pid), machine_idle()
-        if load == "wrk":
-            rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections)
+        b0, r0, (i0, j0) = proc_cpu(pids[0]), proc_cpu(pids[1]), machine_idle()
+        if args.load == "wrk":
+            rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections, w, seed=100 + workers)
         else:
-            rps, errors = asyncio.run(run_aiohttp(router.url, args.duration, args.connections))
+            rps, errors = asyncio.run(run_aiohttp(router.url, args.duration, args.connections, w, seed=100 + workers))
             g1 = os.times()
             gen_cpu = (g1.user - g0.user) + (g1.system - g0.system)
         wall = time.perf_counter() - t0
         cpu = router_cpu(router) - c0
-        bcpu, (i1, j1) = proc_cpu(backend_pid) - b0, machine_idle()
+        bcpu, rcpu, (i1, j1) = proc_cpu(pids[0]) - b0, proc_cpu(pids[1]) - r0, machine_idle()
     finally:
         router.stop()
     n = rps * args.duration
     return TputRow(f"{workers} worker{'s' if workers > 1 else ''}", rps, 1000 * cpu / n if n else 0.0,
-                   cpu / wall, gen_cpu / wall, bcpu / wall, (i1 - i0) / (j1 - j0) if j1 > j0 else 0.0, errors)
+                   cpu / wall, gen_cpu / wall, bcpu / wall, rcpu / wall,
+                   (i1 - i0) / (j1 - j0) if j1 > j0 else 0.0, errors)
+
+
+def router_config(directory: Path) -> Path:
+    """A config naming a BPE tokenizer for the model (trained here: no downloads)."""
+    from loadtest.bench_routing import train_tokenizer
+
+    tok = train_tokenizer(directory)
+    path = directory / "router.yaml"
+    path.write_text(f"models:\n  {MODEL}:\n    tokenizer: {tok}\n    block_size: 16\n")
+    return path
+
+
+def throughput_part(w: Workload, urls: list[str], redis_url: str | None, args: argparse.Namespace,
+                    pids: tuple[int, int]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        config = router_config(Path(d)) if w.fresh else None
+        runs: list[list[TputRow]] = []
+        for _ in range(args.repeat):  # 1, 2, 1, 2, ...: a load change elsewhere hits both alike
+            runs.append([throughput(k, w, urls, redis_url, args, pids, config) for k in (1, 2)])
+    index = "Redis index, shared load" if redis_url else "memory index (per worker), no shared load"
+    print(f"\nthroughput, workload {w.name}: {w.describe}; {index}; {args.connections} keep-alive connections, "
+          f"{args.duration:.0f} s per row, load generator: {args.load} in its own process")
+    print(f"{'run':<5}{'router':<12}{'req/s':>9}{'CPU-ms/req':>12}{'router cores':>14}{'gen cores':>11}"
+          f"{'backend cores':>15}{'redis cores':>13}{'machine idle':>14}{'errors':>8}{'req/s ratio':>13}"
+          f"{'req/s per router core':>23}")
+    ratios = []
+    for i, (one, two) in enumerate(runs, 1):
+        ratios.append(two.rps / one.rps if one.rps else 0.0)
+        for r in (one, two):
+            print(f"{i:<5}{r.name:<12}{r.rps:>9.0f}{r.router_cpu_ms:>12.3f}{r.router_cores:>14.2f}"
+                  f"{r.gen_cores:>11.2f}{r.backend_cores:>15.2f}{r.redis_cores:>13.2f}{r.idle:>13.0%}"
+                  f"{r.errors:>8}{r.rps / one.rps if one.rps else 0.0:>13.2f}"
+                  f"{r.rps / r.router_cores if r.router_cores else 0.0:>23.0f}")
+    med = statistics.median(ratios)
+    per_core = statistics.median((two.rps / two.router_cores) / (one.rps / one.router_cores)
+                                 for one, two in runs if one.router_cores and two.router_cores)
+    others = statistics.median(r[0].gen_cores + r[0].backend_cores + r[0].redis_cores for r in runs)
+    print(f"2 workers / 1 worker, median of {len(ratios)} run(s): {med:.2f}x "
+          f"(runs: {', '.join(f'{x:.2f}' for x in ratios)}); with 1 worker the generator, backends and Redis "
+          f"together used {others:.2f} of a core; req/s per router core, 2 workers / 1: {per_core:.2f} (1.00 = "
+          "every core a worker gets serves as many requests as the single worker's)")
+    if w.fresh:
+        print(f"target: 2 workers >= 1.8 x 1 worker where the generator is not the bottleneck -> "
+              f"{'OK' if med >= 1.8 else 'MISSED'} (the generator, backends and Redis need "
+              f"{others:.2f} core next to the router's; {os.cpu_count()} CPUs in all)")
+    else:
+        print("light workload: per request the router costs about what the generator and backends cost together, "
+              "so on a small machine they take the cores a second worker would use (machine idle near 0 %): "
+              "this row shows the per-request cost stays flat with 2 workers, not the scaling")
 
 
 # ---------------------------------------------------------------------- part 2: balance
@@ -401,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=64, help="keep-alive client connections (throughput)")
     p.add_argument("--load", choices=("wrk", "aiohttp"), default="wrk" if shutil.which("wrk") else "aiohttp",
                    help="load generator for the throughput part (default wrk when installed)")
+    p.add_argument("--workload", choices=("both", *WORKLOADS), default="both",
+                   help="throughput workload(s): light (round_robin, fixed prompt) and/or router-bound "
+                        "(cache_aware, BPE, fresh long prompts); see loadtest/bench_scale_load.py")
+    p.add_argument("--bound-index", choices=("memory", "redis"), default="memory",
+                   help="index of the router-bound workload (default memory: each worker its own, so Redis's "
+                        "CPU for recording every fresh prompt does not take a core from the workers)")
+    p.add_argument("--repeat", type=int, default=2, help="throughput runs of 1 then 2 workers (median ratio)")
     p.add_argument("--replicas", type=int, default=4, help="fake backends (default 4)")
     p.add_argument("--rate", type=float, default=60.0, help="replay arrivals per second (default 60)")
     p.add_argument("--service-ms", type=float, default=250.0, help="mean service time per request (default 250)")
@@ -425,21 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_scale: {os.cpu_count()} CPUs, load average {load1:.2f} at start; {args.replicas} fake "
               f"backends in one process; Redis on 127.0.0.1:{redis.port}")
         if args.only in (None, "throughput"):
-            bpid = backends_proc.proc.pid
-            rows = [throughput(1, urls, redis.url, args, bpid), throughput(2, urls, redis.url, args, bpid)]
-            print(f"\nthroughput: round_robin, {args.connections} keep-alive connections, {args.duration:.0f} s "
-                  f"per row, load generator: {args.load} in its own process")
-            print(f"{'router':<12}{'req/s':>10}{'CPU-ms/req':>12}{'router cores':>14}{'gen cores':>11}"
-                  f"{'backend cores':>15}{'machine idle':>14}{'errors':>8}{'req/s ratio':>13}")
-            for r in rows:
-                print(f"{r.name:<12}{r.rps:>10.0f}{r.router_cpu_ms:>12.3f}{r.router_cores:>14.2f}"
-                      f"{r.gen_cores:>11.2f}{r.backend_cores:>15.2f}{r.idle:>13.0%}{r.errors:>8}"
-                      f"{r.rps / rows[0].rps:>13.2f}")
-            print("the router's req/s is bounded by the CPU it gets: with 'machine idle' near 0 % the cores are "
-                  "taken (by the other processes listed, or by other jobs) and the ratio cannot show scaling")
-            print("target: 2 workers >= 1.8 x 1 worker when each worker has a free core and the generator "
-                  f"is not saturated (this machine: {os.cpu_count()} CPUs shared by router workers, backends, "
-                  "generator and Redis)")
+            pids = (backends_proc.proc.pid, redis.proc.pid)
+            names = list(WORKLOADS) if args.workload == "both" else [args.workload]
+            for name in names:
+                w = WORKLOADS[name]
+                index_url = redis.url if not w.fresh or args.bound_index == "redis" else None
+                throughput_part(w, urls, index_url, args, pids)
         if args.only in (None, "balance"):
             plan = schedule(args.seed, args.rate, args.replay_seconds, args.service_ms)
             rows_b = [balance("1 process", 1, urls, redis.url, plan),
