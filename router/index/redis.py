@@ -47,12 +47,16 @@ The scripts themselves are in :mod:`router.index.redis_scripts`.
 
 Lookup: one ``EVALSHA`` (on a lean RESP connection, :mod:`router.index.resp`, because
 redis-py's per-call CPU would eat the hot-path budget) whose data argument is the packed
-hashes (8 bytes each); the
-script reads the meta hash, and per replica checks the first block, the last, then binary
-searches the chain (≤ 2 + log2 n ``HGET``s per replica), building key names inside the
-script (declared key: the meta hash; all others share its hash tag). The binary search
-relies on present blocks being prefix-closed, which records and engine evictions (tails
-first) keep; a block removed from the middle of a held chain may go unnoticed.
+hashes (8 bytes each); the script builds key names itself (declared key: the meta hash;
+all others share its hash tag). It reads the meta hash, then probes block 1 of every
+replica (one ``HGET`` each: a replica without it is done), and for each holder narrows
+[1, n] with up to two pivots taken from the lengths already found for other replicas
+(``has(L)``, then ``has(L+1)``: replicas sharing a system prompt, or all holding the chain,
+cost ~3 ``HGET``s each), checks the last block, and binary-searches what is left (≤ 6 +
+log2 n ``HGET``s in all). So a lookup costs one cheap probe per replica plus O(log n) per replica
+that holds block 1 — measured by ``loadtest/bench_lookup.py``. The search relies on present
+blocks being prefix-closed, which records and engine evictions (tails first) keep; a block
+removed from the middle of a held chain may go unnoticed.
 
 Failures: a short socket timeout and a circuit breaker. When Redis is unreachable,
 ``lookup`` returns ``{}`` at once for ``retry_s`` seconds, writes are dropped (counted), one

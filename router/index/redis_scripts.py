@@ -19,51 +19,76 @@ local hs = ARGV[1]
 local prefix = ARGV[2]
 local n = #hs / 8
 if n == 0 then return {} end
+local byte, sub, floor = string.byte, string.sub, math.floor
+-- per replica: generation, bucket count, generations kept (fields g:R, b:R, w:R)
 local g, nb, w = {}, {}, {}
 for i = 1, #meta, 2 do
   local f = meta[i]
-  local k = string.sub(f, 1, 2)
-  if k == 'g:' then g[string.sub(f, 3)] = tonumber(meta[i + 1])
-  elseif k == 'b:' then nb[string.sub(f, 3)] = tonumber(meta[i + 1])
-  elseif k == 'w:' then w[string.sub(f, 3)] = tonumber(meta[i + 1]) end
+  local k, c = byte(f, 1, 2)
+  if c == 58 then
+    if k == 103 then g[sub(f, 3)] = tonumber(meta[i + 1])
+    elseif k == 98 then nb[sub(f, 3)] = tonumber(meta[i + 1])
+    elseif k == 119 then w[sub(f, 3)] = tonumber(meta[i + 1]) end
+  end
 end
-local blocks = {}
+-- block i: its 8 bytes and the 24 bits that pick its bucket (computed once for all replicas)
+local hb, hv = {}, {}
 local function blk(i)
-  local h = blocks[i]
+  local h = hb[i]
   if not h then
-    h = string.sub(hs, i * 8 - 7, i * 8)
-    blocks[i] = h
+    h = sub(hs, i * 8 - 7, i * 8)
+    local b1, b2, b3 = byte(h, 1, 3)
+    hb[i] = h
+    hv[i] = b1 + b2 * 256 + b3 * 65536
   end
   return h
 end
+local function has(kp, buckets, stale, i)
+  local h = blk(i)
+  local v = redis.call('HGET', kp .. (hv[i] % buckets), h)
+  return v and tonumber(v) > stale
+end
+-- up to 8 distinct lengths already found for other replicas, most recent first, tried (2 at
+-- most) as pivots before bisecting: replicas sharing a system prompt, or all holding the
+-- chain, cost ~3 probes each instead of ~log2 n
+local known = {}
 local out = {}
 for rep, gen in pairs(g) do
   local buckets, keep = nb[rep], w[rep]
   if buckets and keep then
     local kp = prefix .. rep .. ':'
-    local floor = gen - keep
-    local function has(i)
-      local h = blk(i)
-      local b1, b2, b3 = string.byte(h, 1, 3)
-      local v = redis.call('HGET', kp .. ((b1 + b2 * 256 + b3 * 65536) % buckets), h)
-      return v and tonumber(v) > floor
-    end
-    local found = 0
-    if has(1) then
-      if n == 1 or has(n) then
-        found = n
-      else
-        local lo, hi = 1, n - 1
-        while lo < hi do
-          local mid = math.floor((lo + hi + 1) / 2)
-          if has(mid) then lo = mid else hi = mid - 1 end
+    local stale = gen - keep
+    if has(kp, buckets, stale, 1) then
+      local lo, hi = 1, n
+      local tries = 0
+      for j = 1, #known do
+        if lo >= hi or tries >= 2 then break end
+        local L = known[j]
+        if L > lo and L <= hi then
+          tries = tries + 1
+          if has(kp, buckets, stale, L) then lo = L else hi = L - 1 end
         end
-        found = lo
+        if L == lo and lo < hi then
+          if has(kp, buckets, stale, L + 1) then lo = L + 1 else hi = L end
+        end
       end
-    end
-    if found > 0 then
+      if lo < hi and hi == n then
+        if has(kp, buckets, stale, n) then lo = n else hi = n - 1 end
+      end
+      while lo < hi do
+        local mid = floor((lo + hi + 1) / 2)
+        if has(kp, buckets, stale, mid) then lo = mid else hi = mid - 1 end
+      end
       out[#out + 1] = rep
-      out[#out + 1] = found
+      out[#out + 1] = lo
+      for j = 1, #known do
+        if known[j] == lo then
+          table.remove(known, j)
+          break
+        end
+      end
+      table.insert(known, 1, lo)
+      known[9] = nil
     end
   end
 end
