@@ -20,6 +20,8 @@ Semantics the proxy relies on:
   complete and keep-alive, and closes it otherwise — so a request abandoned midway
   (client gone, timeout) closes its upstream connection at once and the engine sees
   the disconnect.
+
+:class:`Response` and the errors live in :mod:`router.upstream_response` (re-exported here).
 """
 
 from __future__ import annotations
@@ -28,15 +30,22 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 from urllib.parse import urlsplit
+
+from router.upstream_response import (  # noqa: F401  (re-exported)
+    BadResponse,
+    ConnectFailed,
+    Response,
+    UpstreamClosed,
+    UpstreamError,
+    _expire,
+)
 
 _MAX_HEAD = 65536
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 # not kept in Response.headers (hop-by-hop, or set again by the router's own server)
 _NOT_FORWARDED = frozenset({"keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer", "trailers",
                             "upgrade", "date", "server"})
-_HIGH_WATER = 1 << 20  # pause reading from the engine beyond this much unread body
 _CONN_OPTIONS = frozenset({"", "close", "keep-alive"})  # Connection tokens that name no header
 
 
@@ -50,27 +59,6 @@ def connection_named(values: Iterable[str]) -> set[str]:
             if tok not in _CONN_OPTIONS:
                 named.add(tok)
     return named
-
-
-class UpstreamError(Exception):
-    pass
-
-
-class ConnectFailed(UpstreamError):
-    """The TCP connection could not be made (refused, unreachable, timeout)."""
-
-
-class UpstreamClosed(UpstreamError):
-    """The connection ended (or broke) before the response was complete."""
-
-
-class BadResponse(UpstreamError):
-    """The upstream sent something that is not HTTP/1.x."""
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
 
 
 class _Conn(asyncio.Protocol):
@@ -209,198 +197,6 @@ class _Conn(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
         self.close()
-
-
-class Response:
-    """An upstream response whose head has arrived; the body is read with read/readany.
-
-    ``headers`` are the response's end-to-end headers, ready to forward: framing
-    (Content-Length, Transfer-Encoding, Connection), hop-by-hop ones (including those the
-    ``Connection`` header names), Date and Server are left out."""
-
-    __slots__ = ("conn", "status", "headers", "content_type", "_remaining", "_chunked", "_keep_alive",
-                 "_chunks", "_size", "_done", "_error", "_waiter", "_cbuf", "_chunk_left", "_trailer",
-                 "_released")
-
-    def __init__(self, conn: _Conn, status: int, headers: list[tuple[str, str]], content_type: str,
-                 length: int, chunked: bool, keep_alive: bool) -> None:
-        self.conn = conn
-        self.status = status
-        self.headers = headers
-        self.content_type = content_type
-        self._remaining = length  # -1: until close (or chunked)
-        self._chunked = chunked
-        self._keep_alive = keep_alive and (chunked or length >= 0)
-        self._chunks: deque[bytes] = deque()
-        self._size = 0
-        self._done = length == 0
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._cbuf = b""
-        self._chunk_left = 0
-        self._trailer = False
-        self._released = False
-
-    # -- feeding (from the protocol)
-    def _feed(self, data: bytes) -> None:
-        if self._done:
-            if data:  # bytes after the end of the body: do not reuse the connection
-                self._keep_alive = False
-            return
-        if self._chunked:
-            self._feed_chunked(data)
-        elif self._remaining >= 0:
-            if len(data) >= self._remaining:
-                if len(data) > self._remaining:
-                    self._keep_alive = False
-                data = data[: self._remaining]
-                self._remaining = 0
-                self._done = True
-            else:
-                self._remaining -= len(data)
-            if data:
-                self._push(data)
-        elif data:
-            self._push(data)
-        self._wake()
-
-    def _feed_chunked(self, data: bytes) -> None:
-        buf = self._cbuf + data if self._cbuf else data
-        pos = 0
-        n = len(buf)
-        out = []
-        while pos < n:
-            if self._chunk_left > 0:
-                take = min(self._chunk_left, n - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                self._chunk_left -= take
-                if self._chunk_left == 0:
-                    self._chunk_left = -2  # expect CRLF after the data
-                continue
-            if self._chunk_left == -2:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._chunk_left = 0
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if n - pos > 4096:
-                    self._error = BadResponse("bad chunked encoding")
-                    self._done = True
-                    self.conn.close()
-                    return
-                break
-            line = buf[pos:eol]
-            pos = eol + 2
-            if self._trailer:
-                if not line:  # end of trailers: message complete
-                    self._done = True
-                    if pos < n:
-                        self._keep_alive = False
-                    break
-                continue
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                self._error = BadResponse("bad chunk size")
-                self._done = True
-                self.conn.close()
-                return
-            if size == 0:
-                self._trailer = True
-            else:
-                self._chunk_left = size
-        self._cbuf = buf[pos:] if pos < n and not self._done else b""
-        if out:
-            self._push(out[0] if len(out) == 1 else b"".join(out))
-
-    def _push(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._size > _HIGH_WATER and not self.conn.paused and self.conn.transport is not None:
-            self.conn.paused = True
-            self.conn.transport.pause_reading()
-
-    def _eof_from_close(self, exc: BaseException | None) -> None:
-        if not self._done:
-            if self._remaining < 0 and not self._chunked:
-                self._done = True  # body delimited by close
-            else:
-                self._error = UpstreamClosed(f"connection closed mid-body ({exc or 'EOF'})")
-        self._keep_alive = False
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    # -- reading (from the proxy)
-    async def _wait(self, timeout: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiter = fut = loop.create_future()
-        if timeout is None:
-            await fut
-            return
-        timer = loop.call_later(timeout, _expire, fut)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-
-    def _take(self) -> bytes:
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._size = 0
-        if self.conn.paused and self.conn.transport is not None and not self.conn.closed:
-            self.conn.paused = False
-            self.conn.transport.resume_reading()
-        return data
-
-    async def readany(self, timeout: float | None = None) -> bytes:
-        """The next body bytes; ``b""`` once the body is complete. Raises UpstreamClosed
-        when the connection broke before the body was complete, TimeoutError when nothing
-        arrived for ``timeout`` seconds."""
-        while not self._chunks:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return b""
-            await self._wait(timeout)
-        return self._take()
-
-    async def read(self, idle_timeout: float | None = None) -> bytes:
-        """The whole body; TimeoutError when nothing arrived for ``idle_timeout`` seconds."""
-        while not self._done:
-            if self._error is not None:
-                raise self._error
-            await self._wait(idle_timeout)
-        if self._error is not None:
-            raise self._error
-        return self._take() if self._chunks else b""
-
-    @property
-    def complete(self) -> bool:
-        return self._done and self._error is None
-
-    def release(self) -> None:
-        """Return the connection to its pool when reusable, else close it. Idempotent."""
-        if self._released:
-            return
-        self._released = True
-        conn = self.conn
-        conn.resp = None
-        if self._done and self._error is None and self._keep_alive and not conn.closed:
-            self._chunks.clear()
-            conn.pool._put(conn)
-        else:
-            conn.close()
-        conn.pool._slots.release()
 
 
 class _HostPool:

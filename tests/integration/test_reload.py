@@ -181,8 +181,9 @@ async def test_sighup_reload_weights_replicas_keys_and_invalid_file(sim_factory,
         await streams.stop()
         await admin.s.close()
         code = router.stop(timeout=40)
+    # streams served before the reloads (served(8)) and after the last one (served(mark + 8)),
+    # and none failed across them
     assert streams.errors == [], streams.errors[:5]
-    assert streams.ok > 20
     assert code == 0, router.log()
 
 
