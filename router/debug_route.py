@@ -46,13 +46,16 @@ def prompt_problem(path: str, body: dict[str, Any]) -> tuple[str, str] | None:
 
 
 async def handle_debug_route(request: web.Request) -> web.Response:
-    from router.server import STATE, _admin_guard, _err
+    from router.server import STATE, _admin_guard, _err, read_body
 
     st = request.app[STATE]
     if (denied := _admin_guard(st, request)) is not None:
         return denied
+    raw = await read_body(request, st)
+    if isinstance(raw, web.Response):
+        return raw
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
     if not isinstance(body, dict):

@@ -239,9 +239,9 @@ async def handle_proxy(request: web.Request) -> web.StreamResponse:
                     "first_byte_ms": None if fb is None else round(fb * 1000, 2)}})
 
 
-async def _proxy_request(request: web.Request, st: RouterState, rid: str,
-                         t0: float) -> web.Response | RequestContext:
-    """Validate a proxied request; an error response, or the context to forward."""
+async def read_body(request: web.Request, st: RouterState) -> bytes | web.Response:
+    """The request body, bounded by ``limits.max_body_bytes`` and decoded from its
+    ``Content-Encoding`` (router/body_encoding.py); an OpenAI-style 4xx error otherwise."""
     cl = request.content_length
     if cl is not None and cl > st.max_body:
         st.metrics.reject("body_too_large")
@@ -253,17 +253,25 @@ async def _proxy_request(request: web.Request, st: RouterState, rid: str,
         st.metrics.reject("body_too_large")
         return _err(413, f"Request body too large (limit {st.max_body} bytes)", "invalid_request_error",
                     "body_too_large")
-    if hdrs.CONTENT_ENCODING in request.headers:  # decoded here, forwarded plain (router/body_encoding.py)
+    if hdrs.CONTENT_ENCODING in request.headers:  # decoded here, forwarded plain
         coding = ", ".join(request.headers.getall(hdrs.CONTENT_ENCODING))
         try:
             if len(body) > _DECODE_INLINE:  # big bodies are decoded off the event loop
-                body = await asyncio.to_thread(decode_body, body, coding, st.max_body)
-            else:
-                body = decode_body(body, coding, st.max_body)
+                return await asyncio.to_thread(decode_body, body, coding, st.max_body)
+            return decode_body(body, coding, st.max_body)
         except BodyEncodingError as exc:
             st.metrics.reject(exc.code)
             return _err(exc.status, exc.message, "invalid_request_error", exc.code,
                         param="Content-Encoding" if exc.status != 413 else None)
+    return body
+
+
+async def _proxy_request(request: web.Request, st: RouterState, rid: str,
+                         t0: float) -> web.Response | RequestContext:
+    """Validate a proxied request; an error response, or the context to forward."""
+    body = await read_body(request, st)
+    if isinstance(body, web.Response):
+        return body
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -352,8 +360,11 @@ async def handle_admin_add(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if (denied := _admin_guard(st, request)) is not None:
         return denied
+    raw = await read_body(request, st)
+    if isinstance(raw, web.Response):
+        return raw
     try:
-        d = orjson.loads(await request.read())
+        d = orjson.loads(raw)
         if not isinstance(d, dict):
             raise ConfigError("replica", "must be a JSON object")
         rc = replica_from_dict(d)

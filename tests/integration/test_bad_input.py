@@ -38,6 +38,8 @@ from tests.support.services import Proc, kvrouter_argv
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "bad_requests.jsonl"
 MODEL = "fake-model"
+ADMIN = "admin-secret"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -58,7 +60,7 @@ class Stack:
         self.engine = self.call(FakeEngine("e0", events=2).start())
         cfg = router_config([self.engine], policy={"name": "cache_aware"},
                             models={MODEL: {"tokenizer": "builtin", "block_size": 16}},
-                            limits={"max_body_bytes": 4 * 2**20})
+                            limits={"max_body_bytes": 4 * 2**20}, auth={"admin_key": ADMIN})
         self.server = self.call(Server(cfg, seed=0).start())
         return self
 
@@ -347,3 +349,24 @@ async def test_an_unhandled_error_is_a_500_in_openai_shape_without_traceback() -
         assert "secret" not in r.text and "Traceback" not in r.text
     finally:
         await runner.cleanup()
+
+
+def test_admin_and_debug_endpoints_take_compressed_bodies(stack: Stack, client: httpx.Client) -> None:
+    """/debug/route and POST /admin/replicas read their bodies as the proxy does: a gzip or
+    deflate body is decoded (before the fix: 400 invalid_json), a broken one is a 4xx error."""
+    route = orjson.dumps({"model": MODEL, "prompt": "x" * 64})
+    for enc, data in (("gzip", gzip.compress(route)), ("deflate", zlib.compress(route))):
+        r = client.post("/debug/route", content=data, headers={"Content-Encoding": enc, **AUTH})
+        assert r.status_code == 200, r.text
+        assert r.json()["replicas"][0]["id"] == "e0"
+    r = client.post("/debug/route", content=b"\x1f\x8b broken", headers={"Content-Encoding": "gzip", **AUTH})
+    assert assert_error_shape(r.status_code, r.content)["param"] == "Content-Encoding"
+    rep = orjson.dumps({"id": "gz-replica", "url": "http://127.0.0.1:9", "models": [MODEL]})
+    r = client.post("/admin/replicas", content=gzip.compress(rep), headers={"Content-Encoding": "gzip", **AUTH})
+    try:
+        assert r.status_code == 201, r.text
+        assert "gz-replica" in {x["id"] for x in client.get("/admin/replicas", headers=AUTH).json()["replicas"]}
+    finally:
+        client.delete("/admin/replicas/gz-replica", headers=AUTH)
+    r = client.post("/admin/replicas", content=b"not deflate", headers={"Content-Encoding": "deflate", **AUTH})
+    assert_error_shape(r.status_code, r.content)
