@@ -33,7 +33,7 @@ for i = 1, #meta, 2 do
 end
 -- block i: its 8 bytes and the 24 bits that pick its bucket (computed once for all replicas)
 local hb, hv = {}, {}
-local function blk(i)
+local function has(kp, buckets, stale, i)
   local h = hb[i]
   if not h then
     h = sub(hs, i * 8 - 7, i * 8)
@@ -41,17 +41,15 @@ local function blk(i)
     hb[i] = h
     hv[i] = b1 + b2 * 256 + b3 * 65536
   end
-  return h
-end
-local function has(kp, buckets, stale, i)
-  local h = blk(i)
   local v = redis.call('HGET', kp .. (hv[i] % buckets), h)
   return v and tonumber(v) > stale
 end
--- up to 8 distinct lengths already found for other replicas, most recent first, tried (2 at
--- most) as pivots before bisecting: replicas sharing a system prompt, or all holding the
--- chain, cost ~3 probes each instead of ~log2 n
-local known = {}
+-- pivots: up to 8 distinct lengths already found for other replicas, most recent first;
+-- a holder tries up to two (has(L), then has(L+1)) before bisecting, so replicas sharing a
+-- system prompt, or all holding the chain, cost ~3 probes each instead of ~log2 n. While
+-- pivots do not pay (the last two holders that tried were not settled by them) only every
+-- 4th holder tries them: replicas holding all different lengths waste few probes.
+local known, misses, holders = {}, 0, 0
 local out = {}
 for rep, gen in pairs(g) do
   local buckets, keep = nb[rep], w[rep]
@@ -59,17 +57,23 @@ for rep, gen in pairs(g) do
     local kp = prefix .. rep .. ':'
     local stale = gen - keep
     if has(kp, buckets, stale, 1) then
+      holders = holders + 1
       local lo, hi = 1, n
-      local tries = 0
-      for j = 1, #known do
-        if lo >= hi or tries >= 2 then break end
-        local L = known[j]
-        if L > lo and L <= hi then
-          tries = tries + 1
-          if has(kp, buckets, stale, L) then lo = L else hi = L - 1 end
+      if misses < 2 or holders % 4 == 0 then
+        local tries = 0
+        for j = 1, #known do
+          if lo >= hi or tries >= 2 then break end
+          local L = known[j]
+          if L > lo and L <= hi then
+            tries = tries + 1
+            if has(kp, buckets, stale, L) then lo = L else hi = L - 1 end
+          end
+          if L == lo and lo < hi then
+            if has(kp, buckets, stale, L + 1) then lo = L + 1 else hi = L end
+          end
         end
-        if L == lo and lo < hi then
-          if has(kp, buckets, stale, L + 1) then lo = L + 1 else hi = L end
+        if tries > 0 then
+          if lo < hi then misses = misses + 1 else misses = 0 end
         end
       end
       if lo < hi and hi == n then
