@@ -19,8 +19,9 @@ alternating 8 and 64 replicas (same machine load for both):
 * ``d. all different``: every replica holds a different length of the chain (worst case).
 
 Every answer is checked against what was recorded. The table prints the wall time of one
-``lookup`` call (EVALSHA round trip + decoding) in ms, median and p90, for both fleets and
-the ratio 64/8 of the medians. ``--baseline FILE`` adds rows for the ``LOOKUP_LUA`` of
+``lookup`` call (EVALSHA round trip + decoding) in ms, median and p90, for both fleets, the
+ratio 64/8 of the medians, and the ``HGET``s the script made (counted by a copy of it run
+once: the figure machine load does not blur). ``--baseline FILE`` adds rows for the ``LOOKUP_LUA`` of
 another version of ``router/index/redis_scripts.py`` (same keys, same data, interleaved),
 e.g. ``git show HEAD~3:router/index/redis_scripts.py > /tmp/old.py``.
 
@@ -41,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.core.hashing import block_hashes, seed_hash
-from router.index.redis import RedisIndex
+from router.index.redis import LOOKUP_LUA, RedisIndex, pack_hashes
 
 MODEL = "bench-model"
 FLEETS = (8, 64)
@@ -98,14 +99,22 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def _load_baseline(idx: RedisIndex, path: str) -> RedisIndex:
-    """A second index on the same keys whose lookup runs the LOOKUP_LUA found in ``path``."""
-    text = runpy.run_path(path)["LOOKUP_LUA"]
+async def _load_baseline(idx: RedisIndex, text: str) -> RedisIndex:
+    """A second index on the same keys whose lookup runs ``text`` (another LOOKUP_LUA)."""
     old = RedisIndex(idx.url, namespace=idx.ns, default_capacity=idx.default_capacity, timeout_s=idx.timeout_s)
     await old.client.script_load(text)
     old._lookup_sha = hashlib.sha1(text.encode()).hexdigest().encode()
     await old.start()
     return old
+
+
+async def _probes(idx: RedisIndex, text: str, chain: Sequence[int]) -> int:
+    """How many ``HGET``s the lookup script ``text`` makes for ``chain`` (a counting copy of
+    it, run once with EVAL): the cost that machine load does not blur."""
+    counting = ("local probes = 0\nlocal function counted(...) probes = probes + 1 return redis.call(...) end\n"
+                + text.replace("redis.call('HGET'", "counted('HGET'").replace("\nreturn out\n", "\nreturn probes\n"))
+    keys, prefix = idx._keys(MODEL)
+    return int(await idx.client.eval(counting, 1, keys[0], pack_hashes(chain), prefix))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -118,14 +127,15 @@ async def main_async(args: argparse.Namespace) -> int:
     failed = False
     try:
         rng = random.Random(args.seed)
+        baseline_text = runpy.run_path(args.baseline)["LOOKUP_LUA"] if args.baseline else None
         t0 = time.perf_counter()
         for n in FLEETS:
             idx = RedisIndex(url, namespace=f"bench-lookup-{n}", default_capacity=args.capacity, timeout_s=5.0)
             await idx.start()
             indexes[n] = idx
             await _fill_background(idx, n, args.capacity, rng)
-            if args.baseline:
-                baselines[n] = await _load_baseline(idx, args.baseline)
+            if baseline_text:
+                baselines[n] = await _load_baseline(idx, baseline_text)
         print(f"filled {' and '.join(map(str, FLEETS))} replicas × {args.capacity:,} blocks of other "
               f"prompts in {time.perf_counter() - t0:.1f} s; lookups of {args.blocks:,} blocks, "
               f"{args.runs} runs each, 8 and 64 interleaved")
@@ -140,6 +150,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 await idx.flush()
                 want[n] = _expected(placements)
             variants = [("", indexes)] + ([(" (baseline)", baselines)] if baselines else [])
+            texts = {"": LOOKUP_LUA, " (baseline)": baseline_text or ""}
             times: dict[tuple[str, int], list[float]] = {(v, n): [] for v, _ in variants for n in FLEETS}
             for _ in range(args.runs):
                 for v, group in variants:
@@ -153,12 +164,13 @@ async def main_async(args: argparse.Namespace) -> int:
                                   f"{sum(1 for r, x in got.items() if want[n].get(r) != x)} differ")
             for v, _ in variants:
                 t8, t64 = times[(v, 8)], times[(v, 64)]
+                probes = [await _probes(indexes[n], texts[v], chain) for n in FLEETS]
                 rows.append((sc.name + v, statistics.median(t8), _pct(t8, 0.9),
-                             statistics.median(t64), _pct(t64, 0.9)))
-        print(f"\n{'scenario':34} {'8 replicas ms':>16} {'64 replicas ms':>16} {'64/8':>6}")
+                             statistics.median(t64), _pct(t64, 0.9), *probes))
+        print(f"\n{'scenario':34} {'8 replicas ms':>16} {'64 replicas ms':>16} {'64/8':>6} {'HGETs 8 / 64':>14}")
         print(f"{'':34} {'median':>8}{'p90':>8} {'median':>8}{'p90':>8}")
-        for name, m8, p8, m64, p64 in rows:
-            print(f"{name:34} {m8:8.3f}{p8:8.3f} {m64:8.3f}{p64:8.3f} {m64 / m8:6.2f}")
+        for name, m8, p8, m64, p64, h8, h64 in rows:
+            print(f"{name:34} {m8:8.3f}{p8:8.3f} {m64:8.3f}{p64:8.3f} {m64 / m8:6.2f} {h8:>6} / {h64:<6}")
         print("\ntarget: ≤ 1 ms per lookup of 8,192 blocks on loopback (issue 9)")
     finally:
         for idx in [*indexes.values(), *baselines.values()]:
