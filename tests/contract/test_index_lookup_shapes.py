@@ -119,3 +119,28 @@ async def test_redis_lookup_shapes(redis_url) -> None:
         assert (await red.lookup("m", a))["r0"] == SYSTEM_BLOCKS + 2
     finally:
         await red.close()
+
+
+async def test_record_after_lookup_packs_the_hashes_once(redis_url, monkeypatch) -> None:
+    """The record that follows a routing decision reuses the lookup's packed hashes (the same
+    list object); another list, or the same list grown since, is packed again."""
+    import router.index.redis as redis_mod
+
+    calls: list[int] = []
+    real = redis_mod.pack_hashes
+    monkeypatch.setattr(redis_mod, "pack_hashes", lambda hs: calls.append(len(hs)) or real(hs))
+    idx = RedisIndex(redis_url, namespace=f"pack{random.randrange(1 << 30)}")
+    await idx.start()
+    try:
+        chain = block_hashes(list(range(64)), BS, seed_hash("m"))
+        await idx.lookup("m", chain)
+        idx.record_nowait("m", chain, "r0")
+        assert calls == [16]
+        idx.record_nowait("m", list(chain), "r1")  # an equal but other list: packed
+        chain.append(12345)  # the looked-up list, grown: packed again, with the new block
+        idx.record_nowait("m", chain, "r2")
+        assert calls == [16, 16, 17]
+        await idx.flush()
+        assert await idx.lookup("m", chain[:16]) == {"r0": 16, "r1": 16, "r2": 16}
+    finally:
+        await idx.close()
