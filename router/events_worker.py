@@ -183,16 +183,44 @@ class ReplicaWorkers:
         With ``verify``: the first batch must be ``start`` (the last one applied) with
         exactly these bytes, else nothing is applied and False is returned. Without it, the
         replica was just cleared and any contiguous run of batches is history worth
-        applying. True when the replay ran to its end marker."""
+        applying. True when the replay ran to its end marker.
+
+        A replay cut short after some progress (the engine dropped frames at a full pipe:
+        a hole, or no end marker before the timeout) is asked again from the batch after the
+        last one applied; it ends when a round brings nothing new."""
         ep = r.source.replay_endpoint
-        rid = r.source.replica
         if not ep or self._ctx is None:
-            self.metrics.replays.labels(rid, "unavailable").inc()
+            self.metrics.replays.labels(r.source.replica, "unavailable").inc()
             return False
+        first: int | None = None
+        while True:
+            result, got, verified = await self._replay_once(r, ep, start, verify)
+            first = got if first is None else first
+            if result == "ok" or r.seq.last is None or (got is None and not verified):
+                break
+            start, verify = r.seq.last + 1, None  # same engine, some progress: ask for the rest
+        if first is not None and r.seq.last is not None:
+            # Live messages up to here may arrive again on the SUB socket: skip them.
+            r.replayed = (first, r.seq.last)
+        return result == "ok"
+
+    async def _replay_once(self, r: _Replica, ep: str, start: int,
+                           verify: bytes | None) -> tuple[str, int | None, bool]:
+        """One replay request: ``(result, first seq applied or None, verified)``."""
+        assert self._ctx is not None
+        rid = r.source.replica
         r.stats.replays += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A replay is up to the engine's whole buffer (vLLM: 10,000 batches) sent at once,
+        # while this task applies each batch before reading the next. ZMQ drops (ROUTER) or
+        # stalls at the high-water mark — 1,000 messages on each side by default — so with
+        # bounded pipes everything past ~2,000 batches, end marker included, was lost and the
+        # replay failed or came back holed. Unbounded here: the I/O thread drains the
+        # engine's pipe as fast as it can, memory bounded by the engine's buffer.
+        sock.setsockopt(zmq.RCVHWM, 0)
         first: int | None = None
+        verified = False
         result = "ok"
         try:
             sock.connect(ep)
@@ -214,12 +242,13 @@ class ReplicaWorkers:
                         result = "mismatch"
                         break
                     verify = None
+                    verified = True
                     continue
                 last = r.seq.last
                 if last is not None and seq <= last:
                     continue
                 if last is not None and seq != last + 1:
-                    result = "incomplete"  # a hole: stop, the caller starts over
+                    result = "incomplete"  # a hole: stop here
                     break
                 r.seq.accept(seq)
                 r.last_payload = body
@@ -227,13 +256,10 @@ class ReplicaWorkers:
                 await self._apply_payload(r, body, live=False)
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
             result = "failed"
-            log.warning("kv events: replay from %s failed: %s", rid, exc)
+            log.warning("kv events: replay from %s failed: %s", rid, exc or type(exc).__name__)
         finally:
             sock.close(0)
-        if first is not None and r.seq.last is not None:
-            # Live messages up to here may arrive again on the SUB socket: skip them.
-            r.replayed = (first, r.seq.last)
         if result != "ok":
             r.stats.replay_failures += 1
         self.metrics.replays.labels(rid, result).inc()
-        return result == "ok"
+        return result, first, verified

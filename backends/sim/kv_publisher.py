@@ -6,9 +6,11 @@ Configured with the same ``--kv-events-config`` JSON as vLLM::
      "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000,
      "encoding": "map"}
 
-``encoding`` (``map`` = newer vLLM, ``array`` = older vLLM / SGLang) and ``drop_seqs`` (fault
+``encoding`` (``map`` = newer vLLM, ``array`` = older vLLM / SGLang), ``drop_seqs`` (fault
 injection for tests: those sequence numbers are buffered for replay but never sent, so a
-subscriber sees a gap) are the simulator's own keys; other unknown keys are ignored. As in vLLM the PUB socket *binds* when the
+subscriber sees a gap) and ``replay_limit`` (fault injection: a replay reply stops after that
+many batches without its end marker, as vLLM's replay socket cuts a reply longer than its
+ZMQ high-water mark) are the simulator's own keys; other unknown keys are ignored. As in vLLM the PUB socket *binds* when the
 endpoint contains ``*`` or ``::`` or is ``ipc://`` / ``inproc://`` and *connects* otherwise
 (to a router that binds one socket for many engines); the replay ROUTER socket always
 binds. Each published batch gets the next sequence number (from 0) and is kept in a ring
@@ -65,6 +67,9 @@ class KVEventsConfig:
     topic: str = ""
     encoding: str = "map"
     drop_seqs: tuple[int, ...] = ()  # fault injection: batches buffered for replay, never sent
+    # fault injection: a replay reply stops after this many batches, without its end marker
+    # (what vLLM's replay socket does to a reply longer than its high-water mark); 0 = none
+    replay_limit: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -89,6 +94,8 @@ class KVEventsConfig:
             raise ValueError("--kv-events-config publisher must be zmq or null")
         if cfg.buffer_steps < 1:
             raise ValueError("--kv-events-config buffer_steps must be >= 1")
+        if cfg.replay_limit < 0:
+            raise ValueError("--kv-events-config replay_limit must be >= 0")
         return cfg
 
 
@@ -144,6 +151,10 @@ class KVEventPublisher:
         if cfg.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # A ROUTER drops what does not fit its pipe: with ZMQ's default high-water mark
+            # (1,000 messages, which vLLM keeps) the tail of a longer reply, end marker
+            # included, was silently lost. Unbounded: one reply is at most the buffer.
+            self._replay.setsockopt(zmq.SNDHWM, 0)
             self._replay.bind(cfg.replay_endpoint)
             self._task = asyncio.create_task(self._serve_replay())
 
@@ -190,7 +201,13 @@ class KVEventPublisher:
                 log.warning("replay request with a %d-byte seq ignored", len(start_raw))
                 continue
             start = int.from_bytes(start_raw, "big")
+            limit = self.config.replay_limit
+            sent = 0
             for seq, payload in list(self._buffer):
                 if seq >= start:
+                    if limit and sent >= limit:
+                        break  # fault injection: cut short, no end marker
                     await sock.send_multipart([client, b"", encode_seq(seq), payload])
-            await sock.send_multipart([client, b"", encode_seq(END_SEQ), b""])
+                    sent += 1
+            else:
+                await sock.send_multipart([client, b"", encode_seq(END_SEQ), b""])
