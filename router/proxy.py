@@ -383,15 +383,20 @@ class Proxy:
         except ConnectionResetError:
             ctx.status = 499  # client went away while we wrote
             return out
-        if pending:
-            await out.write(pending)
-            if pending.rstrip().endswith(b"[DONE]"):
-                done = True
-        if not done:
-            self.metrics.upstream_error(rid, "stream_truncated")
-            await self._end_stream(out, ctx, b"", "upstream closed the stream before [DONE]", "upstream_error", 502)
+        try:  # the client may go away while the last bytes are written too
+            if pending:
+                await out.write(pending)
+                if pending.rstrip().endswith(b"[DONE]"):
+                    done = True
+            if not done:
+                self.metrics.upstream_error(rid, "stream_truncated")
+                await self._end_stream(out, ctx, b"", "upstream closed the stream before [DONE]",
+                                       "upstream_error", 502)
+                return out
+            await out.write_eof()
+        except ConnectionResetError:
+            ctx.status = 499
             return out
-        await out.write_eof()
         if keep_tail and b'"cached_tokens"' in tail:
             self.prefix.observe(rreq, decision, _cached_tokens_sse(tail))
         return out
