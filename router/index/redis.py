@@ -126,8 +126,9 @@ class RedisIndex:
         self._clear = self.client.register_script(CLEAR_LUA)
         self._prefix: dict[str, tuple[list[bytes], bytes]] = {}  # model -> ([meta key], key prefix)
         self._known_models: set[str] = set()
-        # the last looked-up hash list, its length and packed bytes: the record that follows a
-        # routing decision passes the same list, so it is packed once per request
+        # the last looked-up hash list, its length and packed bytes (set when its reply
+        # arrives): the record that follows a routing decision passes the same list, so it is
+        # packed once per request
         self._last_packed: tuple[Sequence[int] | None, int, bytes] = (None, 0, b"")
         # (model, packed hashes, replica) in arrival order -> check every block (``stored``);
         # a repeat within one batch window is written once (dict keys), so a hot prefix costs
@@ -206,7 +207,6 @@ class RedisIndex:
             return {}
         keys, prefix = self._keys(model)
         packed = pack_hashes(hashes)
-        self._last_packed = (hashes, len(hashes), packed)
         try:
             conn = self._conn
             if conn is None or conn.closed:
@@ -226,6 +226,9 @@ class RedisIndex:
             self._failed("lookup", exc)
             return {}
         self._ok()
+        # set after the await: other lookups in flight meanwhile would have replaced it, and
+        # the caller's record follows this return without yielding
+        self._last_packed = (hashes, len(hashes), packed)
         return {raw[i].decode(): raw[i + 1] for i in range(0, len(raw), 2)}
 
     async def _connect(self) -> RespConnection:

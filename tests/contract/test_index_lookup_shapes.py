@@ -10,6 +10,7 @@ engines evict leaves first: present blocks stay prefix-closed, which the search 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -142,5 +143,16 @@ async def test_record_after_lookup_packs_the_hashes_once(redis_url, monkeypatch)
         assert calls == [16, 16, 17]
         await idx.flush()
         assert await idx.lookup("m", chain[:16]) == {"r0": 16, "r1": 16, "r2": 16}
+        # lookups in flight together: each one's record still reuses its own packing
+        calls.clear()
+        a = block_hashes(list(range(100, 164)), BS, seed_hash("m"))
+        b = block_hashes(list(range(200, 264)), BS, seed_hash("m"))
+
+        async def route(hs: list[int], rep: str) -> None:
+            await idx.lookup("m", hs)
+            idx.record_nowait("m", hs, rep)
+
+        await asyncio.gather(route(a, "r3"), route(b, "r4"))
+        assert calls == [16, 16]
     finally:
         await idx.close()
