@@ -52,8 +52,8 @@ all others share its hash tag). It reads the meta hash, then probes block 1 of e
 replica (one ``HGET`` each: a replica without it is done), and for each holder narrows
 [1, n] with up to two pivots taken from the lengths already found for other replicas
 (``has(L)``, then ``has(L+1)``: replicas sharing a system prompt, or all holding the chain,
-cost ~3 ``HGET``s each), checks the last block, and binary-searches what is left (≤ 6 +
-log2 n ``HGET``s in all). So a lookup costs one cheap probe per replica plus O(log n) per replica
+cost ~3 ``HGET``s each), checks the last block, and binary-searches what is left (≤ 12 +
+log2 n ``HGET``s per holder, ~3 + log2 n typically). So a lookup costs one cheap probe per replica plus O(log n) per replica
 that holds block 1 — measured by ``loadtest/bench_lookup.py``. The search relies on present
 blocks being prefix-closed, which records and engine evictions (tails first) keep; a block
 removed from the middle of a held chain may go unnoticed.
