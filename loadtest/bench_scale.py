@@ -231,21 +231,23 @@ class TputRow:
 
 
 def throughput(workers: int, w: Workload, backends: list[str], redis_url: str | None, args: argparse.Namespace,
-               pids: tuple[int, int], config: Path | None) -> TputRow:
+               pids: tuple[int, int], config: Path | None, run: int = 0) -> TputRow:
     """One row: start ``workers`` router processes, warm up, then measure ``args.duration`` s of
     closed-loop load; ``pids`` = (backends process, Redis server) for their CPU shares."""
-    router = start_router(workers, w.policy, backends, redis_url, f"scale-t{workers}-{w.name}", config)
+    router = start_router(workers, w.policy, backends, redis_url, f"scale-t{workers}-{w.name}-{run}", config)
     try:
         if args.load == "wrk":
-            run_wrk(router.url, 2.0, args.connections, w, seed=workers)  # warm-up
+            run_wrk(router.url, 2.0, args.connections, w, seed=10 * run + workers)  # warm-up
         else:
-            asyncio.run(run_aiohttp(router.url, 2.0, args.connections, w, seed=workers))
+            asyncio.run(run_aiohttp(router.url, 2.0, args.connections, w, seed=10 * run + workers))
         c0, g0, t0 = router_cpu(router), os.times(), time.perf_counter()
         b0, r0, (i0, j0) = proc_cpu(pids[0]), proc_cpu(pids[1]), machine_idle()
         if args.load == "wrk":
-            rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections, w, seed=100 + workers)
+            rps, errors, gen_cpu = run_wrk(router.url, args.duration, args.connections, w,
+                                           seed=1000 + 10 * run + workers)
         else:
-            rps, errors = asyncio.run(run_aiohttp(router.url, args.duration, args.connections, w, seed=100 + workers))
+            rps, errors = asyncio.run(run_aiohttp(router.url, args.duration, args.connections, w,
+                                                  seed=1000 + 10 * run + workers))
             g1 = os.times()
             gen_cpu = (g1.user - g0.user) + (g1.system - g0.system)
         wall = time.perf_counter() - t0
@@ -274,8 +276,9 @@ def throughput_part(w: Workload, urls: list[str], redis_url: str | None, args: a
     with tempfile.TemporaryDirectory() as d:
         config = router_config(Path(d)) if w.fresh else None
         runs: list[list[TputRow]] = []
-        for _ in range(args.repeat):  # 1, 2, 1, 2, ...: a load change elsewhere hits both alike
-            runs.append([throughput(k, w, urls, redis_url, args, pids, config) for k in (1, 2)])
+        for i in range(args.repeat):  # 1, 2, 1, 2, ...: a load change elsewhere hits both alike
+            # per run its own namespace and seeds: with the Redis index no prompt is known from a run before
+            runs.append([throughput(k, w, urls, redis_url, args, pids, config, run=i) for k in (1, 2)])
     index = "Redis index, shared load" if redis_url else "memory index (per worker), no shared load"
     print(f"\nthroughput, workload {w.name}: {w.describe}; {index}; {args.connections} keep-alive connections, "
           f"{args.duration:.0f} s per row, load generator: {args.load} in its own process")
@@ -293,15 +296,16 @@ def throughput_part(w: Workload, urls: list[str], redis_url: str | None, args: a
     med = statistics.median(ratios)
     per_core = statistics.median((two.rps / two.router_cores) / (one.rps / one.router_cores)
                                  for one, two in runs if one.router_cores and two.router_cores)
-    others = statistics.median(r[0].gen_cores + r[0].backend_cores + r[0].redis_cores for r in runs)
+    others1, others2 = (statistics.median(r[k].gen_cores + r[k].backend_cores + r[k].redis_cores for r in runs)
+                        for k in (0, 1))
     print(f"2 workers / 1 worker, median of {len(ratios)} run(s): {med:.2f}x "
-          f"(runs: {', '.join(f'{x:.2f}' for x in ratios)}); with 1 worker the generator, backends and Redis "
-          f"together used {others:.2f} of a core; req/s per router core, 2 workers / 1: {per_core:.2f} (1.00 = "
-          "every core a worker gets serves as many requests as the single worker's)")
+          f"(runs: {', '.join(f'{x:.2f}' for x in ratios)}); the generator, backends and Redis together used "
+          f"{others1:.2f} of a core next to 1 worker, {others2:.2f} next to 2; req/s per router core, 2 workers / 1: "
+          f"{per_core:.2f} (1.00 = every core a worker gets serves as many requests as the single worker's)")
     if w.fresh:
         print(f"target: 2 workers >= 1.8 x 1 worker where the generator is not the bottleneck -> "
-              f"{'OK' if med >= 1.8 else 'MISSED'} (the generator, backends and Redis need "
-              f"{others:.2f} core next to the router's; {os.cpu_count()} CPUs in all)")
+              f"{'OK' if med >= 1.8 else 'MISSED'} (the generator, backends and Redis needed at most "
+              f"{max(others1, others2):.2f} core next to the routers'; {os.cpu_count()} CPUs in all)")
     else:
         print("light workload: per request the router costs about what the generator and backends cost together, "
               "so on a small machine they take the cores a second worker would use (machine idle near 0 %): "

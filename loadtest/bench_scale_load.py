@@ -38,9 +38,9 @@ from typing import Any
 
 import orjson
 
+from loadtest.bench_routing import WORDS
+
 MODEL = "bench-model"
-WORDS = ["the", "router", "sends", "each", "request", "to", "replica", "whose", "cache", "holds", "longest",
-         "prefix", "of", "prompt", "tokens", "blocks", "hash", "chain", "engine", "prefill", "decode", "load"]
 FRESH_WORDS = 2200
 LIGHT_PROMPT = "hello world " * 40
 
