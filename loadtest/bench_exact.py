@@ -155,18 +155,20 @@ async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], track
         "replicas": [r if tracking == "exact" else {k: v for k, v in r.items() if k != "kv_events"}
                      for r in reps],
         "health": {"interval_s": 1.0}, "logging": {"requests": False}})
-    servers = [await Server(cfg, seed=i).start() for i in range(routers)]
+    servers: list[Any] = []
     predicted = [0]
-    for server in servers:  # the router's own prediction of each request's cached tokens
-        policy = server.state.proxy.policy
-        choose = policy.choose
-
-        def tally(*a: Any, _choose: Any = choose) -> Any:
-            d = _choose(*a)
-            predicted[0] += d.matched_tokens or 0
-            return d
-        policy.choose = tally
     try:
+        for i in range(routers):  # started inside the try: one that fails stops the others
+            servers.append(await Server(cfg, seed=i).start())
+        for server in servers:  # the router's own prediction of each request's cached tokens
+            policy = server.state.proxy.policy
+            choose = policy.choose
+
+            def tally(*a: Any, _choose: Any = choose) -> Any:
+                d = _choose(*a)
+                predicted[0] += d.matched_tokens or 0
+                return d
+            policy.choose = tally
         subs = [s for s in (getattr(sv.state.prefix, "events", None) for sv in servers) if s is not None]
         for sub in subs:  # start measuring once the engines' replay buffers are applied
             await sub.idle(timeout=120)
@@ -176,16 +178,19 @@ async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], track
         try:
             routed = [q for i, q in enumerate(reqs) if int((i + 1) * direct) == int(i * direct)]
             other = [q for i, q in enumerate(reqs) if int((i + 1) * direct) != int(i * direct)]
-            targets = [(sv.url, routed[i::routers], max(1, concurrency // routers)) for i, sv in enumerate(servers)]
-            targets += [(r["url"], other[i::len(reps)], 4) for i, r in enumerate(reps)] if other else []
+            targets = [(sv.url, routed[i::routers], max(1, concurrency // routers), True)
+                       for i, sv in enumerate(servers)]
+            targets += [(r["url"], other[i::len(reps)], 4, False) for i, r in enumerate(reps)] if other else []
+            targets = [t for t in targets if t[1]]  # results stay aligned with their targets
             results = await asyncio.wait_for(asyncio.gather(*(replay_live(part, LiveOptions(
                 target=url, model=MODEL, speed=speed, max_concurrency=conc, timeout_s=120))
-                for url, part, conc in targets if part)), 900)
+                for url, part, conc, _ in targets)), 900)
         except TimeoutError:  # report what is stuck instead of hanging the benchmark
             _dump_tasks()
             raise
         wall = time.perf_counter() - t0
-        s = summarize_records([rec for res in results[:routers] for rec in res.records], wall)
+        s = summarize_records([rec for res, t in zip(results, targets, strict=True) if t[3]
+                               for rec in res.records], wall)
         every = summarize_records([rec for res in results for rec in res.records], wall)
         out = {"hit_rate": s["hit_rate"], "hit_rate_all": every["hit_rate"], "ok": s["ok"], "requests": s["requests"],
                "ttft_p50_s": s["ttft_p50_s"], "load_imbalance": s["load_imbalance"], "wall_s": wall,
