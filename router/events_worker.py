@@ -259,7 +259,10 @@ class ReplicaWorkers:
             log.warning("kv events: replay from %s failed: %s", rid, exc or type(exc).__name__)
         finally:
             sock.close(0)
-        if result != "ok":
+        label = result
+        if result in ("failed", "incomplete") and first is not None:
+            label = "partial"  # batches applied, then cut short: the caller asks for the rest
+        elif result != "ok":
             r.stats.replay_failures += 1
-        self.metrics.replays.labels(rid, result).inc()
+        self.metrics.replays.labels(rid, label).inc()
         return result, first, verified
