@@ -353,14 +353,7 @@ class Proxy:
                 else:
                     send, pending = _split_events(chunk)
                 if send:
-                    try:
-                        async with asyncio.timeout(self.write_timeout):
-                            await out.write(send)
-                    except TimeoutError:  # the client stopped reading: cut it off, free the slot
-                        ctx.status = 499
-                        self.metrics.reject("client_write_timeout")
-                        if request.transport is not None:
-                            request.transport.abort()
+                    if not await self._write(request, out, ctx, send):
                         return out
                     if keep_tail:
                         tail = (tail + send)[-_TAIL:]
@@ -370,53 +363,69 @@ class Proxy:
                     chunk = await resp.readany(idle)
                 except TimeoutError:
                     self.metrics.upstream_error(rid, "idle_timeout")
-                    await self._end_stream(out, ctx, pending, "upstream stalled mid-stream "
+                    await self._end_stream(request, out, ctx, pending, "upstream stalled mid-stream "
                                            "(upstream.idle_timeout_s)", "upstream_timeout", 504)
                     return out
                 except UpstreamError as exc:
                     self.metrics.upstream_error(rid, "stream_broken")
-                    await self._end_stream(out, ctx, pending, f"upstream failed mid-stream: {type(exc).__name__}",
-                                           "upstream_error", 502)
+                    await self._end_stream(request, out, ctx, pending,
+                                           f"upstream failed mid-stream: {type(exc).__name__}", "upstream_error", 502)
                     return out
                 if not chunk:
                     break
         except ConnectionResetError:
             ctx.status = 499  # client went away while we wrote
             return out
-        try:  # the client may go away while the last bytes are written too
-            if pending:
-                await out.write(pending)
-                if pending.rstrip().endswith(b"[DONE]"):
-                    done = True
-            if not done:
-                self.metrics.upstream_error(rid, "stream_truncated")
-                await self._end_stream(out, ctx, b"", "upstream closed the stream before [DONE]",
-                                       "upstream_error", 502)
+        if pending:
+            if not await self._write(request, out, ctx, pending):
                 return out
-            await out.write_eof()
-        except ConnectionResetError:
-            ctx.status = 499
+            if pending.rstrip().endswith(b"[DONE]"):
+                done = True
+        if not done:
+            self.metrics.upstream_error(rid, "stream_truncated")
+            await self._end_stream(request, out, ctx, b"", "upstream closed the stream before [DONE]",
+                                   "upstream_error", 502)
+            return out
+        if not await self._write(request, out, ctx, None):
             return out
         if keep_tail and b'"cached_tokens"' in tail:
             self.prefix.observe(rreq, decision, _cached_tokens_sse(tail))
         return out
 
-    async def _end_stream(self, out: web.StreamResponse, ctx: RequestContext, pending: bytes,
-                          message: str, code: str, status: int) -> None:
-        """End a started stream cleanly: an OpenAI error event, then ``data: [DONE]``."""
-        ctx.status = status
+    async def _write(self, request: web.Request, out: web.StreamResponse, ctx: RequestContext,
+                     data: bytes | None) -> bool:
+        """Write ``data`` to a started stream (``None``: end it), bounded by
+        ``limits.client_write_timeout_s``. False when the client is gone or stopped reading
+        (status 499; a client that stopped reading is cut off so its slot is freed)."""
         try:
-            event = b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
-            await out.write((b"\n\n" if pending else b"") + event + _DONE)
-            await out.write_eof()
+            async with asyncio.timeout(self.write_timeout):
+                if data is None:
+                    await out.write_eof()
+                else:
+                    await out.write(data)
+            return True
         except ConnectionResetError:
             ctx.status = 499
+        except TimeoutError:
+            ctx.status = 499
+            self.metrics.reject("client_write_timeout")
+            if request.transport is not None:
+                request.transport.abort()
+        return False
+
+    async def _end_stream(self, request: web.Request, out: web.StreamResponse, ctx: RequestContext,
+                          pending: bytes, message: str, code: str, status: int) -> None:
+        """End a started stream cleanly: an OpenAI error event, then ``data: [DONE]``."""
+        ctx.status = status
+        event = b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+        if await self._write(request, out, ctx, (b"\n\n" if pending else b"") + event + _DONE):
+            await self._write(request, out, ctx, None)
 
     async def _fail_late(self, request: web.Request, ctx: RequestContext, status: int, message: str,
                          type_: str, code: str) -> web.StreamResponse:
         if ctx.stream is not None:
             out = ctx.stream
-            await self._end_stream(out, ctx, b"", message, code, status)
+            await self._end_stream(request, out, ctx, b"", message, code, status)
             return out
         ctx.status = status
         return error_response(status, message, type_, code, headers={self.request_id_header: ctx.request_id})
