@@ -34,6 +34,7 @@ from router.events_source import Replica as _Replica
 
 log = logging.getLogger("kvrouter.events")
 
+REPLAY_GAP_S = 0.5  # silence after batches of a replay have arrived: the reply was cut short
 
 class ReplicaWorkers:
     """Applies each replica's queued KV-event messages to ``index`` (in order, with replays)."""
@@ -221,12 +222,17 @@ class ReplicaWorkers:
         sock.setsockopt(zmq.RCVHWM, 0)
         first: int | None = None
         verified = False
-        result = "ok"
+        result, why = "ok", ""
         try:
             sock.connect(ep)
             await sock.send_multipart([b"", encode_seq(start)])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
+                # the first answer may take a while; once batches flow, a pause this long means
+                # the engine cut the reply short (vLLM drops past its high-water mark and then
+                # sends nothing more): end the round early and ask for the rest
+                wait = self.replay_timeout_s if first is None and not verified else \
+                    min(self.replay_timeout_s, REPLAY_GAP_S)
+                frames = await asyncio.wait_for(sock.recv_multipart(), wait)
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if not frames:
@@ -256,13 +262,17 @@ class ReplicaWorkers:
                 await self._apply_payload(r, body, live=False)
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
             result = "failed"
-            log.warning("kv events: replay from %s failed: %s", rid, exc or type(exc).__name__)
+            why = str(exc) or ("no answer within the timeout" if isinstance(exc, TimeoutError)
+                               else type(exc).__name__)
         finally:
             sock.close(0)
         label = result
         if result in ("failed", "incomplete") and first is not None:
             label = "partial"  # batches applied, then cut short: the caller asks for the rest
+            log.info("kv events: replay from %s cut short after batch %s; asking for the rest", rid, r.seq.last)
         elif result != "ok":
             r.stats.replay_failures += 1
+            if result == "failed":
+                log.warning("kv events: replay from %s failed: %s", rid, why)
         self.metrics.replays.labels(rid, label).inc()
         return result, first, verified

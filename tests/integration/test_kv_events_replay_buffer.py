@@ -92,6 +92,22 @@ async def test_replay_cut_short_by_the_engine_is_asked_again() -> None:
         await pub.close()
 
 
+async def test_cut_short_replay_ends_its_round_after_a_short_silence() -> None:
+    """With a long ``replay_timeout_s`` (the wait for an engine's first answer), a reply cut
+    short after progress ends its round after ``REPLAY_GAP_S`` of silence, not after the full
+    timeout: three cut rounds of a 20 s timeout would take 60 s, past ``_rebuilt``'s 30 s."""
+    pub, pub_ep, rep_ep = await _engine_with_history(replay_limit=1500)
+    index = MemoryIndex(ttl_s=None)
+    sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep, rep_ep)], index, replay_timeout_s=20.0)
+    await sub.start()
+    try:
+        await _rebuilt(sub, index, BATCHES - 1)
+        assert _counter(sub, "kvrouter_kv_event_replays_total") == {("partial",): 3.0, ("ok",): 1.0}
+    finally:
+        await sub.close()
+        await pub.close()
+
+
 async def test_long_replay_buffer_arrives_whole_and_live_needs_no_repair() -> None:
     pub, pub_ep, rep_ep = await _engine_with_history()
     index = MemoryIndex(ttl_s=None)
