@@ -35,8 +35,8 @@ growing prompt costs a few calls, not one per block). A removal breaks that (an 
 eviction can take blocks out of the middle of a chain whose tail is current), so a
 ``stored=True`` record (blocks an engine's KV event reports stored) checks every block
 instead (one ``HGET`` each) and rewrites the holes; the router's own records keep the search. Stale entries are deleted by a sweep
-that visits ``nb × new / S`` buckets per record (a full pass per generation), so memory
-stays ≤ (w+1)/w × C entries. ``clear(R)`` is O(1): it advances ``g:R`` by ``w``
+that visits ``nb × new / 2S`` buckets per record (a full pass per two generations), so
+memory stays ≤ (w+2)/w × C entries. ``clear(R)`` is O(1): it advances ``g:R`` by ``w``
 (everything stale at once; the sweep deletes it later).
 
 TTL backstop: every bucket a record writes gets ``PEXPIRE ttl``, and so does the meta hash;

@@ -204,7 +204,10 @@ for i = n, math.max(done, 0) + 1, -1 do
 end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
 local floor = g - w
-local sweep = math.min(nb, math.ceil(new * nb / S))
+-- one full pass over the buckets per 2 generations: a stale entry lives at most 2
+-- generations past its last, so up to (w + 2)/w x C entries; half the HGETALLs of a pass
+-- per generation (the sweep was the largest part of recording fresh blocks)
+local sweep = math.min(nb, math.ceil(new * nb / (2 * S)))
 for s = 1, sweep do
   local key = kp .. cur
   cur = (cur + 1) % nb
