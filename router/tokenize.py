@@ -62,9 +62,17 @@ __all__ = ["LRU", "BackendTokenizer", "BuiltinTokenizer", "HFTokenizer", "Ids", 
 
 class _State:
     """The hashing state after one piece of a text (cached per piece-prefix key). States
-    link to the state before them, so a cached state yields all hashes of its prefix."""
+    link to the state before them, so a cached state yields all hashes of its prefix.
 
-    __slots__ = ("n", "hashes", "tail", "parent", "key", "count")
+    The hashes are kept in segments: append-only lists shared along a linear chain of
+    states. A state's hashes are its segment's first ``count - base.count`` items after
+    those of ``base`` (the state its segment starts after; None: the text's beginning). The
+    first child of a state whose segment ends at it extends that segment; a later child (a
+    branch: another continuation of the same prefix) starts a new one after it. So
+    resuming from a cached state costs a slice per branch point on its path, not a walk
+    over every piece before it, and no branch copies its prefix."""
+
+    __slots__ = ("n", "hashes", "tail", "parent", "key", "count", "seg", "base")
 
     def __init__(self, n: int, hashes: list[int], tail: Ids, parent: _State | None, key: int) -> None:
         self.n = n            # tokens from the start of the text through this piece
@@ -73,17 +81,25 @@ class _State:
         self.parent = parent
         self.key = key        # rolling hash of every piece through this one (the cache key)
         self.count = len(hashes) + (parent.count if parent is not None else 0)  # hashes through here
+        self.base: _State | None
+        if parent is None:
+            self.seg, self.base = list(hashes), None
+        elif len(parent.seg) == parent.count - (parent.base.count if parent.base is not None else 0):
+            parent.seg.extend(hashes)  # the chain goes on: share the parent's segment
+            self.seg, self.base = parent.seg, parent.base
+        else:
+            self.seg, self.base = list(hashes), parent  # a branch: a new segment after the parent
 
     def all_hashes(self) -> list[int]:
         parts = []
         st: _State | None = self
         while st is not None:
-            if st.hashes:
-                parts.append(st.hashes)
-            st = st.parent
-        out: list[int] = []
-        for p in reversed(parts):
-            out += p
+            base = st.base
+            parts.append(st.seg[:st.count - (base.count if base is not None else 0)])
+            st = base
+        out = parts.pop()
+        while parts:
+            out += parts.pop()
         return out
 
 
