@@ -281,7 +281,8 @@ def throughput_part(w: Workload, urls: list[str], redis_url: str | None, args: a
             runs.append([throughput(k, w, urls, redis_url, args, pids, config, run=i) for k in (1, 2)])
     index = "Redis index, shared load" if redis_url else "memory index (per worker), no shared load"
     print(f"\nthroughput, workload {w.name}: {w.describe}; {index}; {args.connections} keep-alive connections, "
-          f"{args.duration:.0f} s per row, load generator: {args.load} in its own process")
+          f"{args.duration:.0f} s per row, load generator: "
+          f"{'wrk in its own process' if args.load == 'wrk' else 'aiohttp in this benchmark process'}")
     print(f"{'run':<5}{'router':<12}{'req/s':>9}{'CPU-ms/req':>12}{'router cores':>14}{'gen cores':>11}"
           f"{'backend cores':>15}{'redis cores':>13}{'machine idle':>14}{'errors':>8}{'req/s ratio':>13}"
           f"{'req/s per router core':>23}")
