@@ -383,7 +383,8 @@ class Proxy:
                 done = True
         if not done:
             self.metrics.upstream_error(rid, "stream_truncated")
-            await self._end_stream(request, out, ctx, b"", "upstream closed the stream before [DONE]",
+            # ``pending`` (a half event, already written): the error event gets its own separator
+            await self._end_stream(request, out, ctx, pending, "upstream closed the stream before [DONE]",
                                    "upstream_error", 502)
             return out
         if not await self._write(request, out, ctx, None):

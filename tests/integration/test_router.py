@@ -28,7 +28,8 @@ MODEL = "fake-model"
 class FakeEngine:
     """A vLLM-like engine. ``mode`` selects a failure: ok, http500, http429, close_early
     (connection dropped before any answer), break_stream (two events then the connection is
-    dropped), slow (first byte after ``delay`` seconds), hang_stream (one event then nothing)."""
+    dropped), slow (first byte after ``delay`` seconds), hang_stream (one event then nothing), truncated
+    (two events and half of a third, then a clean end without ``[DONE]``)."""
 
     def __init__(self, name: str, model: str = MODEL, mode: str = "ok", delay: float = 0.0,
                  events: int = 5, event_gap: float = 0.0, health_status: int = 200) -> None:
@@ -120,6 +121,10 @@ class FakeEngine:
                 return resp
             if self.mode == "hang_stream" and i == 1:
                 await asyncio.sleep(3600)
+            if self.mode == "truncated" and i == 2:  # half an event, then a clean end, no [DONE]
+                await resp.write(b'data: {"id": "c1", "choi')
+                await resp.write_eof()
+                return resp
             delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
             chunk = {"id": "c1", "object": "chat.completion.chunk" if chat else "text_completion",
                      "model": self.model, "choices": [{"index": 0, **delta, "finish_reason": None}]}
@@ -284,6 +289,22 @@ async def test_mid_stream_failure_ends_with_error_event_and_done():
         err = orjson.loads(events[-2][len("data: "):])["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "upstream_error"
         assert all(orjson.loads(e[6:])["choices"] for e in events[:-2])  # the two good events, intact
+
+
+async def test_truncated_stream_ends_with_a_separate_error_event_and_done():
+    """The engine ends the stream inside an event and without [DONE]: the half event is
+    passed on, then the error event is a separate event (before the fix it was glued to
+    the half event: ``data: {partial}data: {error}``)."""
+    async with fleet({"mode": "truncated"}) as engines, start_router(engines) as router:
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json={
+                "model": MODEL, "prompt": "x", "stream": True}) as r:
+            assert r.status == 200
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        err = orjson.loads(events[-2][len("data: "):])["error"]
+        assert err["code"] == "upstream_error" and "before [DONE]" in err["message"]
+        assert all(orjson.loads(e[6:])["choices"] for e in events[:2])
+        assert events[2] == 'data: {"id": "c1", "choi'
 
 
 async def test_idle_timeout_mid_stream_ends_cleanly():
