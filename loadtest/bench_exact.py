@@ -204,12 +204,15 @@ async def _live_once(reqs: list[TraceRequest], reps: list[dict[str, Any]], track
             out["window"] = {k: v for k, v in window.items() if v}
         return out
     finally:
-        for server in servers:
+        stuck = False
+        for server in servers:  # every router is stopped, even after one that would not stop
             try:
                 await asyncio.wait_for(server.stop(), 60)
             except TimeoutError:  # report what is stuck instead of hanging the benchmark
                 _dump_tasks()
-                raise
+                stuck = True
+        if stuck:
+            raise TimeoutError("a router did not stop within 60 s")
 
 
 def _event_counts(sub: Any) -> dict[str, float]:

@@ -36,6 +36,7 @@ log = logging.getLogger("kvrouter.events")
 
 REPLAY_GAP_S = 0.5  # silence after batches of a replay have arrived: the reply was cut short
 
+
 class ReplicaWorkers:
     """Applies each replica's queued KV-event messages to ``index`` (in order, with replays)."""
 
@@ -262,14 +263,15 @@ class ReplicaWorkers:
                 await self._apply_payload(r, body, live=False)
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
             result = "failed"
-            why = str(exc) or ("no answer within the timeout" if isinstance(exc, TimeoutError)
-                               else type(exc).__name__)
+            why = str(exc) or (("no batch after the verified one" if verified else "no answer") +
+                               " within the timeout" if isinstance(exc, TimeoutError) else type(exc).__name__)
         finally:
             sock.close(0)
         label = result
         if result in ("failed", "incomplete") and first is not None:
             label = "partial"  # batches applied, then cut short: the caller asks for the rest
-            log.info("kv events: replay from %s cut short after batch %s; asking for the rest", rid, r.seq.last)
+            log.info("kv events: replay from %s cut short after batch %s (%s); asking for the rest", rid,
+                     r.seq.last, why or "a hole")
         elif result != "ok":
             r.stats.replay_failures += 1
             if result == "failed":

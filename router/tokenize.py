@@ -70,7 +70,9 @@ class _State:
     first child of a state whose segment ends at it extends that segment; a later child (a
     branch: another continuation of the same prefix) starts a new one after it. So
     resuming from a cached state costs a slice per branch point on its path, not a walk
-    over every piece before it, and no branch copies its prefix."""
+    over every piece before it, and no branch copies its prefix. A segment lives as long as any
+    state on it: hashes of an evicted state past the last live one stay in memory until the
+    whole segment goes (at most one dead tail per segment)."""
 
     __slots__ = ("n", "hashes", "tail", "parent", "key", "count", "seg", "base")
 
