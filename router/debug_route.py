@@ -46,10 +46,11 @@ def prompt_problem(path: str, body: dict[str, Any]) -> tuple[str, str] | None:
 
 
 async def handle_debug_route(request: web.Request) -> web.Response:
-    from router.server import STATE, _admin_guard, _err, read_body
+    from router.admin import admin_guard
+    from router.server import STATE, _err, read_body
 
     st = request.app[STATE]
-    if (denied := _admin_guard(st, request)) is not None:
+    if (denied := admin_guard(st, request)) is not None:
         return denied
     raw = await read_body(request, st)
     if isinstance(raw, web.Response):

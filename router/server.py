@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` and any other
 ``POST /v1/*`` (routed on the body's ``model``), ``GET /v1/models``, ``GET /health``,
-``GET /ready``, ``GET /metrics``, and the admin API under ``/admin/``. Every error the
+``GET /ready``, ``GET /metrics``, the admin API under ``/admin/`` (:mod:`router.admin`) and
+``POST /debug/route`` (:mod:`router.debug_route`). Every error the
 router itself produces is an OpenAI-style JSON error with a 4xx/5xx status.
 
 The hot path parses the body once (orjson) to read ``model`` and the session ``user``, and
@@ -25,12 +26,12 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from router.body_encoding import BodyEncodingError, decode_body
-from router.config import Config, ConfigError
+from router.config import Config
 from router.conn import GuardedRunner
 from router.core.scheduler import default_registry
 from router.logs import request_logger
 from router.metrics import RouterMetrics
-from router.pool import Pool, replica_from_dict, states_summary
+from router.pool import Pool
 from router.protect import build_rate_limiter, refused_counter
 from router.proxy import (
     REQUEST_DROP,
@@ -334,63 +335,6 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _admin_guard(st: RouterState, request: web.Request) -> web.Response | None:
-    if st._admin is None:
-        return _err(403, "The admin API is disabled (set auth.admin_key)", "permission_error", "admin_disabled")
-    if not st.admin_ok(request):
-        return _unauthorized()
-    return None
-
-
-async def handle_admin_list(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    if (denied := _admin_guard(st, request)) is not None:
-        return denied
-    reps = []
-    for r, s in zip(st.pool.replicas(), states_summary([r.state for r in st.pool.replicas()]), strict=True):
-        s.update(last_error=r.last_error, ejections=r.ejections,
-                 engine=r.load.engine if r.load else "unknown",
-                 breaker=st.proxy.breakers.states().get(r.cfg.id, "closed"))
-        reps.append(s)
-    return web.Response(body=orjson.dumps({"policy": st.proxy.policy_name, "replicas": reps}),
-                        content_type="application/json")
-
-
-async def handle_admin_add(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    if (denied := _admin_guard(st, request)) is not None:
-        return denied
-    raw = await read_body(request, st)
-    if isinstance(raw, web.Response):
-        return raw
-    try:
-        d = orjson.loads(raw)
-        if not isinstance(d, dict):
-            raise ConfigError("replica", "must be a JSON object")
-        rc = replica_from_dict(d)
-        rep = st.pool.add(rc)
-    except orjson.JSONDecodeError as exc:
-        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
-    except (ConfigError, ValueError) as exc:
-        return _err(400, str(exc).replace("replicas[0].", ""), "invalid_request_error", "invalid_replica")
-    await st.pool.check_one(rep)
-    replica_added = getattr(st.prefix, "replica_added", None)
-    if replica_added is not None:  # its kv_events, if any (docs/kv-events.md)
-        await replica_added(rc)
-    return web.Response(status=201, body=orjson.dumps({"id": rc.id, "healthy": rep.state.healthy}),
-                        content_type="application/json")
-
-
-async def handle_admin_remove(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    if (denied := _admin_guard(st, request)) is not None:
-        return denied
-    rid = request.match_info["id"]
-    if not st.pool.remove(rid):
-        return _err(404, f"No replica {rid!r}", "invalid_request_error", "replica_not_found")
-    return web.Response(body=orjson.dumps({"removed": rid}), content_type="application/json")
-
-
 async def handle_not_found(request: web.Request) -> web.Response:
     """404, or 405 with ``Allow`` when the path exists for other methods (``GET /v1/completions``)."""
     allowed: set[str] = set()
@@ -422,10 +366,12 @@ def build_app(config: Config, *, prefix: PrefixService | None = None,
     r.add_get("/health", handle_health)
     r.add_get("/ready", handle_ready)
     r.add_get("/metrics", handle_metrics)
-    r.add_get("/admin/replicas", handle_admin_list)
-    r.add_post("/admin/replicas", handle_admin_add)
-    r.add_delete("/admin/replicas/{id}", handle_admin_remove)
-    r.add_post("/debug/route", __import__("router.debug_route", fromlist=["x"]).handle_debug_route)
+    from router import admin, debug_route  # they use this module's helpers: imported here
+
+    r.add_get("/admin/replicas", admin.handle_admin_list)
+    r.add_post("/admin/replicas", admin.handle_admin_add)
+    r.add_delete("/admin/replicas/{id}", admin.handle_admin_remove)
+    r.add_post("/debug/route", debug_route.handle_debug_route)
     r.add_route("*", "/{tail:.*}", handle_not_found)
 
     async def on_startup(app: web.Application) -> None:
