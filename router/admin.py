@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from aiohttp import web
 
@@ -19,6 +21,24 @@ def admin_guard(st: RouterState, request: web.Request) -> web.Response | None:
     if not st.admin_ok(request):
         return _unauthorized()
     return None
+
+
+async def admin_json(request: web.Request) -> tuple[RouterState, dict[str, Any]] | web.Response:
+    """The admin key checked, then the body read like the proxy's (size limit, gzip/deflate)
+    and parsed as a JSON object; an OpenAI-style 4xx error otherwise."""
+    st = request.app[STATE]
+    if (denied := admin_guard(st, request)) is not None:
+        return denied
+    raw = await read_body(request, st)
+    if isinstance(raw, web.Response):
+        return raw
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
+    if not isinstance(body, dict):
+        return _err(400, "Request body must be a JSON object", "invalid_request_error", "invalid_json")
+    return st, body
 
 
 async def handle_admin_list(request: web.Request) -> web.Response:
@@ -36,20 +56,13 @@ async def handle_admin_list(request: web.Request) -> web.Response:
 
 
 async def handle_admin_add(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    if (denied := admin_guard(st, request)) is not None:
-        return denied
-    raw = await read_body(request, st)
-    if isinstance(raw, web.Response):
-        return raw
+    got = await admin_json(request)
+    if isinstance(got, web.Response):
+        return got
+    st, d = got
     try:
-        d = orjson.loads(raw)
-        if not isinstance(d, dict):
-            raise ConfigError("replica", "must be a JSON object")
         rc = replica_from_dict(d)
         rep = st.pool.add(rc)
-    except orjson.JSONDecodeError as exc:
-        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
     except (ConfigError, ValueError) as exc:
         return _err(400, str(exc).replace("replicas[0].", ""), "invalid_request_error", "invalid_replica")
     await st.pool.check_one(rep)

@@ -46,21 +46,13 @@ def prompt_problem(path: str, body: dict[str, Any]) -> tuple[str, str] | None:
 
 
 async def handle_debug_route(request: web.Request) -> web.Response:
-    from router.admin import admin_guard
-    from router.server import STATE, _err, read_body
+    from router.admin import admin_json
+    from router.server import _err
 
-    st = request.app[STATE]
-    if (denied := admin_guard(st, request)) is not None:
-        return denied
-    raw = await read_body(request, st)
-    if isinstance(raw, web.Response):
-        return raw
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return _err(400, f"Request body is not valid JSON: {exc}", "invalid_request_error", "invalid_json")
-    if not isinstance(body, dict):
-        return _err(400, "Request body must be a JSON object", "invalid_request_error", "invalid_json")
+    got = await admin_json(request)
+    if isinstance(got, web.Response):
+        return got
+    st, body = got
     path = request.query.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
     if path not in ("/v1/chat/completions", "/v1/completions"):
         return _err(400, "path must be /v1/chat/completions or /v1/completions", "invalid_request_error",
