@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from backends.kv_events import BlockRemoved, BlockStored
 from backends.sim.kv_publisher import KVEventPublisher, KVEventsConfig
 from router.core.hashing import block_hashes, seed_hash
@@ -75,33 +77,21 @@ async def _rebuilt(sub: EventSubscriber, index: MemoryIndex, upto: int) -> None:
     assert len(sub.tracker("r0")) == 4
 
 
-async def test_replay_cut_short_by_the_engine_is_asked_again() -> None:
+@pytest.mark.parametrize("replay_timeout_s", [0.5, 20.0])
+async def test_replay_cut_short_by_the_engine_is_asked_again(replay_timeout_s: float) -> None:
     """vLLM's replay ROUTER keeps ZMQ's 1,000-message high-water mark and drops the rest of
     a longer reply: the subscriber asks again from where it stopped until it has it all
-    (the simulator's ``replay_limit`` cuts every reply after 1,500 batches, no end marker)."""
+    (the simulator's ``replay_limit`` cuts every reply after 1,500 batches, no end marker).
+    With a long ``replay_timeout_s`` (the wait for an engine's first answer) a cut round
+    still ends after ``REPLAY_GAP_S`` of silence: three rounds of a 20 s timeout would take
+    60 s, past ``_rebuilt``'s 30 s."""
     pub, pub_ep, rep_ep = await _engine_with_history(replay_limit=1500)
     index = MemoryIndex(ttl_s=None)
-    sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep, rep_ep)], index, replay_timeout_s=0.5)
+    sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep, rep_ep)], index, replay_timeout_s=replay_timeout_s)
     await sub.start()
     try:
         await _rebuilt(sub, index, BATCHES - 1)
-        # three cut-short rounds (1,500 batches each, then the timeout), the fourth ends
-        assert _counter(sub, "kvrouter_kv_event_replays_total") == {("partial",): 3.0, ("ok",): 1.0}
-    finally:
-        await sub.close()
-        await pub.close()
-
-
-async def test_cut_short_replay_ends_its_round_after_a_short_silence() -> None:
-    """With a long ``replay_timeout_s`` (the wait for an engine's first answer), a reply cut
-    short after progress ends its round after ``REPLAY_GAP_S`` of silence, not after the full
-    timeout: three cut rounds of a 20 s timeout would take 60 s, past ``_rebuilt``'s 30 s."""
-    pub, pub_ep, rep_ep = await _engine_with_history(replay_limit=1500)
-    index = MemoryIndex(ttl_s=None)
-    sub = EventSubscriber([EventSource("r0", "m", BS, pub_ep, rep_ep)], index, replay_timeout_s=20.0)
-    await sub.start()
-    try:
-        await _rebuilt(sub, index, BATCHES - 1)
+        # three cut-short rounds (1,500 batches each, then silence), the fourth ends
         assert _counter(sub, "kvrouter_kv_event_replays_total") == {("partial",): 3.0, ("ok",): 1.0}
     finally:
         await sub.close()
