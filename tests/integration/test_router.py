@@ -279,12 +279,17 @@ async def test_close_before_answer_is_retried():
             assert st == 200 and h["x-kvrouter-replica"] == "e1"
 
 
+async def stream_events(url: str) -> list[str]:
+    """The SSE events of one streamed completion through the router (status 200 asserted)."""
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "stream": True}) as r:
+        assert r.status == 200
+        return [e for e in (await r.read()).decode().split("\n\n") if e]
+
+
 async def test_mid_stream_failure_ends_with_error_event_and_done():
     async with fleet({"mode": "break_stream"}) as engines, start_router(engines) as router:
-        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "x", "stream": True}) as r:
-            assert r.status == 200
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        events = await stream_events(router.url)
         assert events[-1] == "data: [DONE]"
         err = orjson.loads(events[-2][len("data: "):])["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "upstream_error"
@@ -296,10 +301,7 @@ async def test_truncated_stream_ends_with_a_separate_error_event_and_done():
     passed on, then the error event is a separate event (before the fix it was glued to
     the half event: ``data: {partial}data: {error}``)."""
     async with fleet({"mode": "truncated"}) as engines, start_router(engines) as router:
-        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "x", "stream": True}) as r:
-            assert r.status == 200
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        events = await stream_events(router.url)
         assert events[-1] == "data: [DONE]"
         err = orjson.loads(events[-2][len("data: "):])["error"]
         assert err["code"] == "upstream_error" and "before [DONE]" in err["message"]
@@ -310,9 +312,7 @@ async def test_truncated_stream_ends_with_a_separate_error_event_and_done():
 async def test_idle_timeout_mid_stream_ends_cleanly():
     async with fleet({"mode": "hang_stream"}) as engines, \
             start_router(engines, upstream={"idle_timeout_s": 0.5}) as router:
-        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "x", "stream": True}) as r:
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        events = await stream_events(router.url)
         assert events[-1] == "data: [DONE]"
         assert orjson.loads(events[-2][6:])["error"]["code"] == "upstream_timeout"
         await _until(lambda: engines[0].running == 0)
