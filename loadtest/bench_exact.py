@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.offline import OfflineConfig, roofline_for, simulate
+from loadtest.procs import free_port as _free_port
 from loadtest.traces.generators import tenants
 from loadtest.traces.types import TraceRequest
 
@@ -66,12 +66,6 @@ def run_offline(reqs: list[TraceRequest], replicas: int, num_blocks: int, seed: 
         out[tracking] = {"hit_rate": res.hit_rate, "ttft_p50_s": res.ttft_p50_s, "ttft_p99_s": res.ttft_p99_s,
                          "load_imbalance": res.load_imbalance, "wall_s": time.perf_counter() - t0}
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ok(url: str) -> bool:

@@ -20,7 +20,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,10 @@ from pathlib import Path
 
 import orjson
 
+from loadtest.procs import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CLK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- echo backend (child)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +32,10 @@ import urllib.request
 import aiohttp
 import orjson
 
+from loadtest.procs import free_port as _free_port
+
 TARGET_REQ_S = 500.0
 TARGET_TOK_S = 20_000.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:

@@ -27,7 +27,6 @@ import asyncio
 import importlib.util
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.live import LiveOptions, replay_live, scrape
+from loadtest.procs import free_port as _free_port
 from loadtest.summary import load_imbalance
 from loadtest.traces.formats import load_trace
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ok(url: str) -> bool:
