@@ -27,7 +27,6 @@ so tests drive membership without a DNS server. Pure helpers: :func:`replicas_fo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -41,6 +40,7 @@ import aiohttp
 
 from router.config import Config, DiscoveryConfig, ReplicaConfig
 from router.pool import Pool
+from router.tasks import stop_task
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -211,11 +211,8 @@ class Discovery:
                 log.exception("discovery round failed")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def apply(self, config: Config) -> tuple[list[str], list[str]]:
         """Follow a reloaded config: new static replicas and discovery settings, one round now."""

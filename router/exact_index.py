@@ -21,7 +21,6 @@ dropped).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from router.config import Config
 from router.events import EventSource, EventSubscriber
+from router.tasks import stop_task
 
 log = logging.getLogger("kvrouter.events")
 
@@ -92,11 +92,8 @@ class ExactAwareIndex:
             self._task = asyncio.create_task(self._sweeper())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         await self.subscriber.close()
         await self.inner.close()
 

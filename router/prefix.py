@@ -36,6 +36,7 @@ from router.core.types import Decision, ReplicaState, RoutingRequest
 from router.index.base import IndexEvents
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
+from router.tasks import stop_task
 from router.tokenize import BackendTokenizer, ModelTokenizer, load_tokenizer
 
 log = logging.getLogger("kvrouter.prefix")
@@ -162,10 +163,8 @@ class PrefixService:
             self._cap_task = asyncio.get_running_loop().create_task(self._follow_capacities())
 
     async def close(self) -> None:
-        if self._cap_task is not None:
-            self._cap_task.cancel()
-            await asyncio.gather(self._cap_task, return_exceptions=True)
-            self._cap_task = None
+        await stop_task(self._cap_task)
+        self._cap_task = None
         for t in list(self._tasks):
             await asyncio.gather(t, return_exceptions=True)
         for m in self._models.values():

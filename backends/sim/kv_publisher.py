@@ -25,7 +25,6 @@ wire types of :mod:`backends.kv_events`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -49,6 +48,7 @@ from backends.kv_events import (
     encode_seq,
     vllm_extra_keys,
 )
+from router.tasks import stop_task
 
 log = logging.getLogger("kvrouter.sim.kv_events")
 
@@ -159,11 +159,8 @@ class KVEventPublisher:
             self._task = asyncio.create_task(self._serve_replay())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(0)

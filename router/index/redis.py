@@ -90,6 +90,7 @@ from router.index.redis_scripts import (  # noqa: F401  (re-exported: scripts an
     pack_hashes,
 )
 from router.index.resp import RespConnection, RespError, encode_command, timed
+from router.tasks import stop_task
 
 log = logging.getLogger("kvrouter.index.redis")
 
@@ -153,11 +154,8 @@ class RedisIndex:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), 2.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         for conn in (self._conn, self._wconn):
             if conn is not None:
                 conn.close()
